@@ -1,0 +1,1 @@
+"""responses-gateway: an OpenAI Responses API gateway in front of vLLM."""

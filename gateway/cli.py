@@ -1,0 +1,5 @@
+"""Command line entry point (filled in by the core)."""
+
+
+def main() -> int:
+    raise SystemExit("not yet implemented")
