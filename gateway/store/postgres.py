@@ -1,0 +1,190 @@
+"""PostgreSQL ResponseStore: asyncpg pool, JSONB columns, self-migrating schema."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+
+import asyncpg
+import orjson
+
+from gateway.store.base import (
+    DEFAULT_MAX_CHAIN_DEPTH,
+    ResponseStore,
+    StoredResponse,
+    StoreError,
+    check_chain,
+)
+
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
+
+# MIGRATIONS[n] takes the schema from version n to n + 1; "{s}" is the quoted schema name.
+# Append only; never edit a released one.
+MIGRATIONS: list[tuple[str, ...]] = [
+    (
+        """CREATE TABLE IF NOT EXISTS {s}.responses (
+            id TEXT PRIMARY KEY,
+            created_at BIGINT NOT NULL,
+            updated_at BIGINT NOT NULL,
+            previous_response_id TEXT,
+            status TEXT NOT NULL,
+            response JSONB NOT NULL,
+            input_items JSONB NOT NULL,
+            tool_context JSONB
+        )""",
+        "CREATE INDEX IF NOT EXISTS responses_created_at ON {s}.responses (created_at)",
+        "CREATE INDEX IF NOT EXISTS responses_previous ON {s}.responses (previous_response_id)",
+    ),
+]
+
+_COLUMNS = "id, created_at, previous_response_id, status, response, input_items, tool_context, updated_at"
+
+
+def _lock_key(schema: str) -> int:
+    # A stable signed 64-bit key per schema, so gateways using different schemas never wait on each other.
+    digest = hashlib.sha256(f"responses-gateway:{schema}".encode()).digest()
+    return int.from_bytes(digest[:8], "big", signed=True)
+
+
+async def _init_connection(conn: asyncpg.Connection) -> None:
+    # orjson both ways: dicts go in and come out without the stdlib json module's cost.
+    await conn.set_type_codec(
+        "jsonb",
+        encoder=lambda value: orjson.dumps(value).decode(),
+        decoder=orjson.loads,
+        schema="pg_catalog",
+        format="text",
+    )
+
+
+def _row_to_record(row: asyncpg.Record) -> StoredResponse:
+    return StoredResponse(
+        id=row["id"],
+        created_at=row["created_at"],
+        previous_response_id=row["previous_response_id"],
+        status=row["status"],
+        response=row["response"],
+        input_items=row["input_items"],
+        tool_context=row["tool_context"],
+        updated_at=row["updated_at"],
+    )
+
+
+class PostgresResponseStore(ResponseStore):
+    """A store shared by any number of gateway replicas. Tables live in `schema` (created if missing)."""
+
+    def __init__(self, dsn: str, schema: str = "public", min_size: int = 1, max_size: int = 10) -> None:
+        if not _IDENTIFIER.fullmatch(schema):
+            raise ValueError(f"invalid PostgreSQL schema name {schema!r}")
+        self.dsn = dsn
+        self.schema = schema
+        self._min_size = min_size
+        self._max_size = max_size
+        self._pool: asyncpg.Pool | None = None
+        t = f'"{schema}".responses'
+        self._put_sql = (
+            f"INSERT INTO {t} ({_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8) "
+            "ON CONFLICT (id) DO UPDATE SET created_at = EXCLUDED.created_at, "
+            "previous_response_id = EXCLUDED.previous_response_id, status = EXCLUDED.status, "
+            "response = EXCLUDED.response, input_items = EXCLUDED.input_items, "
+            "tool_context = EXCLUDED.tool_context, updated_at = EXCLUDED.updated_at"
+        )
+        self._get_sql = f"SELECT {_COLUMNS} FROM {t} WHERE id = $1"
+        self._chain_sql = f"""
+            WITH RECURSIVE chain AS (
+                SELECT 0 AS depth, {_COLUMNS} FROM {t} WHERE id = $1
+                UNION ALL
+                SELECT c.depth + 1, r.id, r.created_at, r.previous_response_id, r.status, r.response,
+                       r.input_items, r.tool_context, r.updated_at
+                FROM {t} r JOIN chain c ON r.id = c.previous_response_id
+                WHERE c.depth + 1 < $2
+            )
+            SELECT {_COLUMNS} FROM chain ORDER BY depth
+        """
+        self._delete_sql = f"DELETE FROM {t} WHERE id = $1"
+        self._sweep_sql = f"DELETE FROM {t} WHERE created_at < $1"
+
+    @property
+    def pool(self) -> asyncpg.Pool:
+        if self._pool is None:
+            raise StoreError("PostgresResponseStore used before start() or after close()")
+        return self._pool
+
+    async def start(self) -> None:
+        if self._pool is not None:
+            return
+        pool = await asyncpg.create_pool(
+            self.dsn, min_size=self._min_size, max_size=self._max_size, init=_init_connection
+        )
+        try:
+            async with pool.acquire() as conn:
+                await self._migrate(conn)
+        except BaseException:
+            await pool.close()
+            raise
+        self._pool = pool
+
+    async def _migrate(self, conn: asyncpg.Connection) -> None:
+        s = f'"{self.schema}"'
+        async with conn.transaction():
+            # Concurrent CREATE ... IF NOT EXISTS can still collide on the catalog's unique indexes;
+            # the transaction-scoped advisory lock makes starting replicas migrate one at a time.
+            await conn.execute("SELECT pg_advisory_xact_lock($1)", _lock_key(self.schema))
+            await conn.execute(f"CREATE SCHEMA IF NOT EXISTS {s}")
+            await conn.execute(
+                f"CREATE TABLE IF NOT EXISTS {s}.schema_version ("
+                "id INTEGER PRIMARY KEY CHECK (id = 1), version INTEGER NOT NULL)"
+            )
+            version = await conn.fetchval(f"SELECT version FROM {s}.schema_version WHERE id = 1") or 0
+            if version > len(MIGRATIONS):
+                raise StoreError(
+                    f"database schema version {version} is newer than this gateway knows "
+                    f"({len(MIGRATIONS)}); upgrade the gateway"
+                )
+            for statements in MIGRATIONS[version:]:
+                for statement in statements:
+                    await conn.execute(statement.format(s=s))
+            await conn.execute(
+                f"INSERT INTO {s}.schema_version (id, version) VALUES (1, $1) "
+                "ON CONFLICT (id) DO UPDATE SET version = EXCLUDED.version",
+                len(MIGRATIONS),
+            )
+
+    async def close(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            await pool.close()
+
+    async def put(self, record: StoredResponse) -> None:
+        await self.pool.execute(
+            self._put_sql,
+            record.id,
+            record.created_at,
+            record.previous_response_id,
+            record.status,
+            record.response,
+            record.input_items,
+            record.tool_context,
+            record.updated_at,
+        )
+
+    async def get(self, response_id: str) -> StoredResponse | None:
+        row = await self.pool.fetchrow(self._get_sql, response_id)
+        return None if row is None else _row_to_record(row)
+
+    async def get_chain(self, response_id: str, max_depth: int = DEFAULT_MAX_CHAIN_DEPTH) -> list[StoredResponse]:
+        if max_depth < 1:
+            raise ValueError("max_depth must be at least 1")
+        rows = await self.pool.fetch(self._chain_sql, response_id, max_depth)
+        return check_chain(response_id, [_row_to_record(row) for row in rows], max_depth)
+
+    async def delete(self, response_id: str) -> bool:
+        return _count(await self.pool.execute(self._delete_sql, response_id)) > 0
+
+    async def sweep(self, older_than: int) -> int:
+        return _count(await self.pool.execute(self._sweep_sql, older_than))
+
+
+def _count(status: str) -> int:
+    # asyncpg returns the command tag, e.g. "DELETE 3".
+    return int(status.rsplit(" ", 1)[-1])
