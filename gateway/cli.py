@@ -1,5 +1,54 @@
-"""Command line entry point (filled in by the core)."""
+"""``responses-gateway serve|demo``. Every flag is also a ``GATEWAY_*`` environment variable."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+
+from gateway.config import Settings, add_arguments, load_settings
+
+__all__ = ["main"]
 
 
-def main() -> int:
-    raise SystemExit("not yet implemented")
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="responses-gateway",
+                                     description="OpenAI Responses API gateway in front of vLLM.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="Serve the gateway in front of an upstream vLLM.")
+    add_arguments(serve)
+    demo = sub.add_parser("demo", help="Serve the gateway in front of recorded vLLM answers (no GPU needed).")
+    add_arguments(demo, only=("host", "port", "log_level", "api_keys", "max_body_bytes"))
+    return parser
+
+
+def run(settings: Settings, *, demo: bool = False) -> int:
+    import uvicorn
+
+    from gateway.server import create_app
+    from gateway.server.observe import configure_logging
+    from gateway.server.shutdown import serve_until_stopped
+
+    configure_logging(settings.log_level)
+    transport = None
+    if demo:
+        from gateway.demo import demo_transport
+
+        transport = demo_transport()
+    app = create_app(settings, transport=transport)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, access_log=False,
+                            timeout_graceful_shutdown=None, lifespan="on")
+    return serve_until_stopped(uvicorn.Server(config), app, settings)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "demo":
+        folder = tempfile.mkdtemp(prefix="responses-gateway-demo-")
+        settings = load_settings(args, upstream_url="http://demo-upstream.invalid",
+                                 store=f"sqlite:///{os.path.join(folder, 'responses.db')}")
+        print(f"responses-gateway demo: http://{settings.host}:{settings.port}/v1 (replaying recorded vLLM "
+              f"answers; store in {folder})", file=sys.stderr)
+        return run(settings, demo=True)
+    return run(load_settings(args))

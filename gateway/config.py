@@ -1,0 +1,145 @@
+"""Frozen settings, read from command-line flags and ``GATEWAY_*`` environment variables.
+
+Every setting has one row in ``OPTIONS``: its flag, its environment variable and its default. The CLI,
+the README table and the tests all read that table, so a flag can never exist without its variable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Literal
+
+UpstreamApi = Literal["responses", "chat"]
+Enforcement = Literal["off", "validate", "constrain"]
+
+
+def _csv(value: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in value.split(",") if part.strip())
+
+
+def _bool(value: str) -> bool:
+    return value.strip().lower() in {"1", "true", "yes", "on"}
+
+
+@dataclass(frozen=True)
+class Option:
+    name: str
+    flag: str
+    env: str
+    parse: Callable[[str], Any]
+    help: str
+    choices: tuple[str, ...] | None = None
+    secret: bool = False
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("upstream_url", "--upstream", "GATEWAY_UPSTREAM_URL", str, "Base URL of vLLM (no /v1)."),
+    Option("host", "--host", "GATEWAY_HOST", str, "Address to listen on."),
+    Option("port", "--port", "GATEWAY_PORT", int, "Port to listen on."),
+    Option(
+        "upstream_api_key", "--upstream-api-key", "GATEWAY_UPSTREAM_API_KEY", str,
+        "Bearer token sent upstream; replaces the client's Authorization.", secret=True,
+    ),
+    Option(
+        "api_keys", "--api-keys", "GATEWAY_API_KEYS", _csv,
+        "Comma-separated keys clients must present on /v1/*; empty: no gateway auth.", secret=True,
+    ),
+    Option("api_keys_file", "--api-keys-file", "GATEWAY_API_KEYS_FILE", str, "File with one key per line."),
+    Option("upstream_api", "--upstream-api", "GATEWAY_UPSTREAM_API", str,
+           "Which upstream API to call.", choices=("responses", "chat")),
+    Option("tool_choice_enforcement", "--tool-choice-enforcement", "GATEWAY_TOOL_CHOICE_ENFORCEMENT", str,
+           "How tool_choice and custom-tool grammars are enforced.", choices=("off", "validate", "constrain")),
+    Option("max_body_bytes", "--max-body-bytes", "GATEWAY_MAX_BODY_BYTES", int, "Largest request body (413)."),
+    Option("max_concurrency", "--max-concurrency", "GATEWAY_MAX_CONCURRENCY", int,
+           "Concurrent /v1 requests before 429."),
+    Option("stream_idle_timeout", "--stream-idle-timeout", "GATEWAY_STREAM_IDLE_TIMEOUT", float,
+           "Seconds without an upstream frame before a stream ends with response.failed."),
+    Option("connect_timeout", "--upstream-connect-timeout", "GATEWAY_UPSTREAM_CONNECT_TIMEOUT", float,
+           "Seconds to connect to the upstream."),
+    Option("read_timeout", "--upstream-read-timeout", "GATEWAY_UPSTREAM_READ_TIMEOUT", float,
+           "Seconds to wait for a non-streamed upstream answer."),
+    Option("max_unnamed_call_bytes", "--max-unnamed-call-bytes", "GATEWAY_MAX_UNNAMED_CALL_BYTES", int,
+           "Bytes of frames held per response for tool calls whose name has not arrived."),
+    Option("drain_timeout", "--drain-timeout", "GATEWAY_DRAIN_TIMEOUT", float,
+           "Seconds in-flight streams get after SIGTERM."),
+    Option("store", "--store", "GATEWAY_STORE", str,
+           "Response store: sqlite:///file.db, postgresql://user@host:port/db or none."),
+    Option("store_ttl", "--store-ttl", "GATEWAY_STORE_TTL", float, "Seconds to keep stored responses; 0 keeps them."),
+    Option("log_level", "--log-level", "GATEWAY_LOG_LEVEL", str, "Log level.",
+           choices=("debug", "info", "warning", "error")),
+)
+
+
+@dataclass(frozen=True)
+class Settings:
+    upstream_url: str = "http://127.0.0.1:8000"
+    host: str = "127.0.0.1"
+    port: int = 8080
+    upstream_api_key: str | None = field(default=None, repr=False)
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    api_keys_file: str | None = None
+    upstream_api: UpstreamApi = "responses"
+    tool_choice_enforcement: Enforcement = "constrain"
+    max_body_bytes: int = 32 * 1024 * 1024
+    max_concurrency: int = 256
+    stream_idle_timeout: float = 300.0
+    connect_timeout: float = 5.0
+    read_timeout: float = 600.0
+    max_unnamed_call_bytes: int = 256 * 1024
+    drain_timeout: float = 20.0
+    store: str = "sqlite:///responses-gateway.db"
+    store_ttl: float = 0.0
+    log_level: str = "info"
+
+    def all_api_keys(self) -> tuple[str, ...]:
+        keys = list(self.api_keys)
+        if self.api_keys_file:
+            with open(self.api_keys_file, encoding="utf-8") as fh:
+                keys.extend(line.strip() for line in fh if line.strip() and not line.startswith("#"))
+        return tuple(keys)
+
+    def with_overrides(self, **kwargs: Any) -> Settings:
+        return replace(self, **kwargs)
+
+
+_DEFAULTS = {f.name: f.default for f in fields(Settings)}
+
+
+def add_arguments(parser: argparse.ArgumentParser, *, only: tuple[str, ...] | None = None) -> None:
+    for opt in OPTIONS:
+        if only is not None and opt.name not in only:
+            continue
+        default = _DEFAULTS[opt.name]
+        shown = "(set)" if opt.secret else default
+        parser.add_argument(
+            opt.flag, dest=opt.name, default=None, choices=opt.choices,
+            help=f"{opt.help} [env {opt.env}; default {shown}]",
+        )
+
+
+def load_settings(args: argparse.Namespace | None = None, env: Mapping[str, str] | None = None,
+                  **overrides: Any) -> Settings:
+    """Flags win over environment variables, which win over defaults."""
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    for opt in OPTIONS:
+        raw = getattr(args, opt.name, None) if args is not None else None
+        if raw is None:
+            raw = env.get(opt.env)
+        if raw is None or raw == "":
+            continue
+        try:
+            value = opt.parse(raw)
+        except ValueError as exc:
+            raise SystemExit(f"invalid value for {opt.flag} / {opt.env}: {raw!r}") from exc
+        if opt.choices and value not in opt.choices:
+            raise SystemExit(f"{opt.flag} / {opt.env} must be one of {', '.join(opt.choices)}, not {raw!r}")
+        values[opt.name] = value
+    values.update(overrides)
+    return Settings(**values)
+
+
+__all__ = ["OPTIONS", "Settings", "_bool", "add_arguments", "load_settings"]

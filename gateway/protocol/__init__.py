@@ -1,0 +1,1 @@
+"""Wire types and SSE framing. No I/O, no clock."""

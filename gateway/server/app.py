@@ -1,0 +1,219 @@
+"""The Starlette application: routes, lifespan (upstream client, store), request bookkeeping."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import httpx
+import structlog
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from gateway.config import Settings
+from gateway.errors import GatewayError, InvalidRequest, NotFound
+from gateway.server.http import OrjsonResponse, SseResponse, error_response
+from gateway.server.observe import Observer
+from gateway.server.record import RequestRecord
+from gateway.server.responses import ResponsesHandler
+from gateway.store import ResponseStore, open_store, run_sweeper
+from gateway.upstream.client import HOP_BY_HOP, UpstreamClient
+
+log = structlog.get_logger("gateway.app")
+
+__all__ = ["create_app"]
+
+Handler = Callable[[Request, RequestRecord], Awaitable[Response]]
+
+
+def _request_id(request: Request) -> str:
+    given = request.headers.get("x-request-id", "")
+    if 0 < len(given) <= 128 and given.isprintable():
+        return given
+    return "req_" + uuid.uuid4().hex
+
+
+async def _finalizing(body: AsyncIterator[bytes], record: RequestRecord, end: Callable[[RequestRecord], None]
+                      ) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in body:
+            record.response_bytes += len(chunk)
+            yield chunk
+    finally:
+        aclose = getattr(body, "aclose", None)
+        if aclose is not None:
+            await aclose()
+        record.duration = time.perf_counter() - record.started
+        end(record)
+
+
+def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None = None,
+               store: ResponseStore | str | None = "from-settings", observer: Observer | None = None) -> Starlette:
+    """Build the gateway. ``transport`` replaces the network to the upstream (tests, the demo);
+    ``store`` overrides ``settings.store`` with an already built store (or None)."""
+    observer = observer or Observer()
+    services: dict[str, Any] = {}
+
+    def wrap(route: str, handler: Handler) -> Callable[[Request], Awaitable[Response]]:
+        async def endpoint(request: Request) -> Response:
+            record = RequestRecord(request_id=_request_id(request), route=route, method=request.method,
+                                   started=time.perf_counter())
+            observer.begin(record)
+            try:
+                response = await handler(request, record)
+            except GatewayError as exc:
+                record.error_code = exc.code
+                response = error_response(exc)
+            except Exception as exc:  # never a traceback to the client; the log has the type, not the payload
+                log.error("unhandled_error", request_id=record.request_id, route=route, error=type(exc).__name__,
+                          exc_info=settings.log_level == "debug")
+                record.error_code = "internal_error"
+                response = error_response(GatewayError("The gateway failed to handle this request.", status=500,
+                                                       type="server_error", code="internal_error"))
+            response.headers["x-request-id"] = record.request_id
+            record.status = response.status_code
+            if isinstance(response, SseResponse | StreamingResponse):
+                response.body_iterator = _finalizing(response.body_iterator, record, observer.end)
+            else:
+                record.duration = time.perf_counter() - record.started
+                observer.end(record)
+            return response
+
+        return endpoint
+
+    async def create_response(request: Request, record: RequestRecord) -> Response:
+        handler: ResponsesHandler = services["responses"]
+        return await handler.create(request, record)
+
+    def _store() -> ResponseStore:
+        st = services.get("store")
+        if st is None:
+            raise NotFound("Stored responses are disabled on this gateway (--store none).", code="store_disabled")
+        return st
+
+    async def get_response(request: Request, record: RequestRecord) -> Response:
+        if request.query_params.get("stream", "").lower() == "true":
+            raise InvalidRequest("Streaming a stored response needs background mode, which this gateway does not "
+                                 "offer.", param="stream", code="unsupported_parameter")
+        rid = request.path_params["response_id"]
+        rec = await _store().get(rid)
+        if rec is None:
+            raise NotFound(f"Response with id '{rid}' not found.", param="response_id")
+        return OrjsonResponse(rec.response)
+
+    async def delete_response(request: Request, record: RequestRecord) -> Response:
+        rid = request.path_params["response_id"]
+        if not await _store().delete(rid):
+            raise NotFound(f"Response with id '{rid}' not found.", param="response_id")
+        return OrjsonResponse({"id": rid, "object": "response", "deleted": True})
+
+    async def cancel_response(request: Request, record: RequestRecord) -> Response:
+        rid = request.path_params["response_id"]
+        if await _store().get(rid) is None:
+            raise NotFound(f"Response with id '{rid}' not found.", param="response_id")
+        raise InvalidRequest("Only responses created with background=true can be cancelled.",
+                             param="response_id", code="invalid_request")
+
+    async def list_input_items(request: Request, record: RequestRecord) -> Response:
+        rid = request.path_params["response_id"]
+        rec = await _store().get(rid)
+        if rec is None:
+            raise NotFound(f"Response with id '{rid}' not found.", param="response_id")
+        return OrjsonResponse(paginate(rec.input_items, request.query_params))
+
+    async def proxy(request: Request, record: RequestRecord) -> Response:
+        upstream: UpstreamClient = services["upstream"]
+        body = request.stream() if request.method not in ("GET", "HEAD", "OPTIONS") else None
+        up = await upstream.proxy(request.method, request.url.path, request.url.query, request.headers, body)
+        headers = {k: v for k, v in up.response.headers.items() if k.lower() not in HOP_BY_HOP}
+        record.status = up.status_code
+
+        async def relay() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in up.aiter_raw():
+                    yield chunk
+            except httpx.HTTPError:
+                record.upstream_error = "stream_broken"
+            finally:
+                await up.aclose()
+
+        return StreamingResponse(relay(), status_code=up.status_code, headers=headers)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        upstream = UpstreamClient(settings, transport=transport)
+        st: ResponseStore | None = open_store(settings.store) if store == "from-settings" else store  # type: ignore[assignment]
+        sweeper = None
+        if st is not None:
+            await st.start()
+            if settings.store_ttl > 0:
+                sweeper = asyncio.create_task(run_sweeper(st, int(settings.store_ttl),
+                                                          interval=min(300.0, max(1.0, settings.store_ttl / 10))))
+        services.update(upstream=upstream, store=st,
+                        responses=ResponsesHandler(settings=settings, upstream=upstream, store=st))
+        app.state.services = services
+        try:
+            yield
+        finally:
+            if sweeper is not None:
+                sweeper.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await sweeper
+            await upstream.aclose()
+            if st is not None:
+                await st.close()
+
+    routes = [
+        Route("/v1/responses", wrap("/v1/responses", create_response), methods=["POST"]),
+        Route("/v1/responses/{response_id}", wrap("/v1/responses/{id}", get_response), methods=["GET"]),
+        Route("/v1/responses/{response_id}", wrap("/v1/responses/{id}", delete_response), methods=["DELETE"]),
+        Route("/v1/responses/{response_id}/input_items", wrap("/v1/responses/{id}/input_items", list_input_items),
+              methods=["GET"]),
+        Route("/v1/responses/{response_id}/cancel", wrap("/v1/responses/{id}/cancel", cancel_response),
+              methods=["POST"]),
+        Route("/{path:path}", wrap("proxy", proxy),
+              methods=["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.settings = settings
+    app.state.observer = observer
+    return app
+
+
+def paginate(items: list[dict[str, Any]], query: Any) -> dict[str, Any]:
+    """OpenAI's list shape over stored input items: ``limit`` (1-100), ``order``, ``after``, ``before``."""
+    try:
+        limit = int(query.get("limit", 20))
+    except ValueError:
+        raise InvalidRequest("'limit' must be an integer.", param="limit", code="invalid_type") from None
+    if not 1 <= limit <= 100:
+        raise InvalidRequest("'limit' must be between 1 and 100.", param="limit", code="invalid_value")
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise InvalidRequest("'order' must be 'asc' or 'desc'.", param="order", code="invalid_value")
+    seq = list(items) if order == "asc" else list(reversed(items))
+    ids = [i.get("id") for i in seq]
+    for key in ("after", "before"):
+        cursor = query.get(key)
+        if cursor is not None and cursor not in ids:
+            raise InvalidRequest(f"No input item with id '{cursor}'.", param=key, code="invalid_value")
+    if query.get("after") is not None:
+        seq = seq[ids.index(query["after"]) + 1 :]
+    if query.get("before") is not None:
+        ids = [i.get("id") for i in seq]
+        seq = seq[: ids.index(query["before"])] if query["before"] in ids else seq
+        seq = seq[-limit:]
+    page = seq[:limit]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0].get("id") if page else None,
+        "last_id": page[-1].get("id") if page else None,
+        "has_more": len(seq) > len(page),
+    }

@@ -1,0 +1,219 @@
+"""POST /v1/responses: resolve the request once, rewrite it, forward it, and pump the answer back."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import structlog
+from starlette.requests import Request
+from starlette.responses import Response
+
+from gateway.config import Settings
+from gateway.errors import GatewayError, InvalidRequest, NotFound
+from gateway.protocol.ids import new_id
+from gateway.protocol.request import parse_request_body
+from gateway.protocol.sse import SseParser
+from gateway.server.http import OrjsonResponse, SseResponse, read_body
+from gateway.server.record import RequestRecord
+from gateway.store import BrokenChainError, ResponseStore, StoredResponse
+from gateway.translate.restore import RequestState, build_request_state, restore_output, restore_response
+from gateway.translate.rewrite import build_upstream_request
+from gateway.translate.tool_context import resolve_tool_context
+from gateway.translate.translator import FunctionSseTranslator
+from gateway.upstream.client import UpstreamClient, UpstreamResponse
+
+log = structlog.get_logger("gateway.responses")
+
+__all__ = ["ResponsesHandler", "public_input_items"]
+
+
+def public_input_items(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The request's input as stored items, each with an id (``input_items`` lists them)."""
+    raw = body.get("input")
+    if isinstance(raw, str):
+        items: list[Any] = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": raw}]}]
+    elif isinstance(raw, list):
+        items = raw
+    else:
+        items = []
+    out = []
+    for item in items:
+        if not isinstance(item, dict):
+            continue
+        item = dict(item)
+        if "type" not in item and "role" in item:
+            item["type"] = "message"
+        if not item.get("id"):
+            item["id"] = new_id("msg" if item.get("type") == "message" else "item")
+        out.append(item)
+    return out
+
+
+def history_from_chain(chain: list[StoredResponse]) -> list[dict[str, Any]]:
+    """Earlier inputs and outputs, in order; the new input is appended by the caller."""
+    history: list[dict[str, Any]] = []
+    for record in chain:
+        history.extend(record.input_items)
+        history.extend(i for i in record.response.get("output") or () if isinstance(i, dict))
+    return history
+
+
+@dataclass
+class ResponsesHandler:
+    settings: Settings
+    upstream: UpstreamClient
+    store: ResponseStore | None
+    # Hook points for tool_choice enforcement (gateway.enforce); None: forward as is.
+    strategy: Callable[..., Awaitable[Response] | None] | None = None
+
+    async def create(self, request: Request, record: RequestRecord) -> Response:
+        raw = await read_body(request, self.settings.max_body_bytes)
+        record.request_bytes = len(raw)
+        body = parse_request_body(raw)
+        record.model = body.get("model") if isinstance(body.get("model"), str) else None
+        record.stream = bool(body.get("stream"))
+        ctx = resolve_tool_context(body)
+        history = await self._history(body)
+        upstream_body = build_upstream_request(body, ctx, history)
+        state = build_request_state(body, ctx, response_id=new_id("resp"), created_at=int(time.time()),
+                                    max_unnamed_call_bytes=self.settings.max_unnamed_call_bytes)
+        persist = self._persister(body, state) if self._should_store(body) else None
+        headers = {k: v for k, v in request.headers.items()}
+        extra = {"x-request-id": record.request_id}
+        if record.stream:
+            up = await self.upstream.send_json("/v1/responses", upstream_body, headers, stream=True,
+                                               extra_headers=extra)
+            if not up.ok:
+                try:
+                    err = await up.error_body()
+                finally:
+                    await up.aclose()
+                record.upstream_error = f"http_{up.status_code}"
+                return OrjsonResponse(err, status_code=up.status_code)
+            translator = FunctionSseTranslator(state)
+            return SseResponse(self._pump(up, translator, record, persist),
+                               headers={"x-request-id": record.request_id},
+                               on_disconnect=lambda: _mark_disconnect(record))
+        status, payload = await self.upstream.post_json("/v1/responses", upstream_body, headers)
+        if status >= 400:
+            record.upstream_error = f"http_{status}"
+            return OrjsonResponse(payload, status_code=status)
+        if not isinstance(payload, dict):
+            raise GatewayError("The upstream answered with an unexpected body.", status=502, type="server_error",
+                               code="upstream_error")
+        final = restore_response(payload, state, output=restore_output(payload.get("output") or [], state))
+        _count_calls(record, final)
+        record.usage = final.get("usage") if isinstance(final.get("usage"), dict) else None
+        record.response_status = final.get("status")
+        if persist is not None:
+            await persist(final)
+        return OrjsonResponse(final, headers={"x-request-id": record.request_id})
+
+    def _should_store(self, body: dict[str, Any]) -> bool:
+        return self.store is not None and body.get("store", True) is not False
+
+    async def _history(self, body: dict[str, Any]) -> list[dict[str, Any]]:
+        prev = body.get("previous_response_id")
+        if not prev:
+            return []
+        if self.store is None:
+            raise InvalidRequest("previous_response_id needs a response store, and this gateway runs with "
+                                 "--store none.", param="previous_response_id", code="store_disabled")
+        try:
+            chain = await self.store.get_chain(prev)
+        except BrokenChainError as exc:
+            raise NotFound(f"Response with id '{prev}' cannot be continued: an earlier response in its chain "
+                           f"('{exc.missing_id}') no longer exists.", param="previous_response_id") from None
+        if not chain:
+            raise NotFound(f"Response with id '{prev}' not found.", param="previous_response_id")
+        return history_from_chain(chain)
+
+    def _persister(self, body: dict[str, Any], state: RequestState) -> Callable[[dict[str, Any]], Awaitable[None]]:
+        store = self.store
+        assert store is not None
+        items = public_input_items(body)
+        tool_context = state.ctx.describe()
+
+        async def persist(final: dict[str, Any]) -> None:
+            now = int(time.time())
+            rec = StoredResponse(id=final["id"], created_at=int(final.get("created_at") or now),
+                                 previous_response_id=body.get("previous_response_id"),
+                                 status=str(final.get("status")), response=final, input_items=items,
+                                 tool_context=tool_context, updated_at=now)
+            try:
+                await store.put(rec)
+            except Exception as exc:  # the client still gets its answer; the failure is logged and counted
+                log.error("store_write_failed", response_id=final.get("id"), error=type(exc).__name__)
+
+        return persist
+
+    async def _pump(self, up: UpstreamResponse, translator: FunctionSseTranslator, record: RequestRecord,
+                    persist: Callable[[dict[str, Any]], Awaitable[None]] | None) -> AsyncIterator[bytes]:
+        """Upstream bytes -> SSE frames -> translator -> client bytes, one write per upstream chunk.
+
+        The final frame batch is held back until the response is persisted, so a client that reacts to
+        ``response.completed`` by continuing the conversation always finds it stored.
+        """
+        parser = SseParser()
+        feed = translator.feed
+        try:
+            out: list[bytes] = []
+            try:
+                async for chunk in up.response.aiter_bytes():
+                    for event, data in parser.feed(chunk):
+                        out += feed(event, data)
+                        if translator.finished:
+                            break
+                    if translator.finished:
+                        break
+                    if out:
+                        if record.ttfb is None:
+                            record.ttfb = time.perf_counter() - record.started
+                        yield b"".join(out)
+                        out = []
+                else:
+                    for event, data in parser.close():
+                        out += feed(event, data)
+                    out += translator.finish()
+            except httpx.ReadTimeout:
+                record.upstream_error = "idle_timeout"
+                out += translator.fail("stream_idle_timeout", f"No upstream event for "
+                                       f"{self.settings.stream_idle_timeout:g} seconds; the gateway ended the stream.")
+            except httpx.HTTPError as exc:
+                record.upstream_error = "stream_broken"
+                out += translator.fail("upstream_connection_error",
+                                       f"The upstream connection broke mid-stream ({type(exc).__name__}).")
+            final = translator.final_response
+            if final is not None:
+                record.response_status = final.get("status")
+                record.usage = final.get("usage") if isinstance(final.get("usage"), dict) else None
+                if persist is not None:
+                    await persist(final)
+            if out:
+                if record.ttfb is None:
+                    record.ttfb = time.perf_counter() - record.started
+                yield b"".join(out)
+        finally:
+            await up.aclose()
+            stats = translator.stats
+            record.tool_calls = {"custom": stats.custom_calls, "function": stats.function_calls}
+            record.held_bytes_peak = stats.held_bytes_peak
+            record.overflowed = stats.overflowed
+
+
+def _mark_disconnect(record: RequestRecord) -> None:
+    record.disconnected = True
+
+
+def _count_calls(record: RequestRecord, final: dict[str, Any]) -> None:
+    counts = {"custom": 0, "function": 0}
+    for item in final.get("output") or ():
+        if item.get("type") == "custom_tool_call":
+            counts["custom"] += 1
+        elif item.get("type") == "function_call":
+            counts["function"] += 1
+    record.tool_calls = counts

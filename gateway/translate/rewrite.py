@@ -1,0 +1,180 @@
+"""Request rewriting: the client's Responses request -> the body vLLM's /v1/responses accepts.
+
+A pure function of the request body, its ``ResolvedToolContext`` and the history loaded for
+``previous_response_id``. Anything not named here passes through untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import orjson
+
+from gateway.errors import InvalidRequest
+from gateway.translate.tool_context import ResolvedToolContext, ToolInfo
+
+__all__ = ["INPUT_PARAM_SCHEMA", "build_upstream_request", "upstream_input_items", "upstream_tools"]
+
+INPUT_PARAM_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"input": {"type": "string", "description": "The raw free-form input for this tool."}},
+    "required": ["input"],
+    "additionalProperties": False,
+}
+
+# The only `include` values vLLM 0.32 accepts; any other is a 400 there (see vllm-upstream-behaviour §1).
+VLLM_INCLUDES = frozenset({
+    "code_interpreter_call.outputs", "computer_call_output.output.image_url", "file_search_call.results",
+    "message.input_image.image_url", "message.output_text.logprobs", "reasoning.encrypted_content",
+})
+
+# Fields the gateway owns: state lives here, not in vLLM.
+_GATEWAY_FIELDS = ("previous_response_id", "store", "conversation", "background")
+
+
+def custom_tool_description(tool: Mapping[str, Any]) -> str:
+    """The original description plus the input format, so the model sees any grammar in full."""
+    parts = [str(tool["description"])] if tool.get("description") else []
+    fmt = tool.get("format")
+    if isinstance(fmt, dict) and fmt.get("type") == "grammar":
+        syntax = fmt.get("syntax")
+        kind = "Lark grammar" if syntax == "lark" else "regular expression" if syntax == "regex" else str(syntax)
+        parts.append(
+            f"This is a free-form tool: put the raw text in `input`, not JSON. The input must match this {kind} "
+            f"({syntax}):\n{fmt.get('definition')}"
+        )
+    else:
+        parts.append("This is a free-form tool: put the raw text in `input`, not JSON.")
+    return "\n\n".join(parts)
+
+
+def _upstream_tool(info: ToolInfo) -> dict[str, Any]:
+    if info.kind == "custom":
+        return {
+            "type": "function",
+            "name": info.upstream_name,
+            "description": custom_tool_description(info.definition),
+            "parameters": INPUT_PARAM_SCHEMA,
+        }
+    tool = dict(info.definition)
+    tool["name"] = info.upstream_name
+    tool.pop("defer_loading", None)
+    return tool
+
+
+def upstream_tools(ctx: ResolvedToolContext) -> list[dict[str, Any]]:
+    allowed = ctx.allowed_upstream_names
+    tools = [_upstream_tool(i) for i in ctx.callable_tools if allowed is None or i.upstream_name in allowed]
+    if allowed is None:
+        tools += [dict(t) for t in ctx.other_tools]
+    return tools
+
+
+def _check_output_parts(output: Any, param: str) -> Any:
+    if isinstance(output, str):
+        return output
+    if not isinstance(output, list):
+        raise InvalidRequest("A tool output must be a string or an array of content parts.", param=param,
+                             code="invalid_type")
+    for k, part in enumerate(output):
+        ptype = part.get("type") if isinstance(part, dict) else None
+        if ptype not in ("input_text", "input_image", "input_file"):
+            raise InvalidRequest(f"Unsupported tool output content part {ptype!r}: expected input_text, "
+                                 "input_image or input_file.", param=f"{param}[{k}]", code="invalid_value")
+    return upstream_tool_output(output, param)
+
+
+def upstream_tool_output(parts: list[Any], param: str) -> Any:
+    """Content-array tool outputs in a form vLLM accepts (see docs/vllm-findings.md)."""
+    texts: list[str] = []
+    for k, part in enumerate(parts):
+        if part["type"] == "input_text":
+            texts.append(str(part.get("text", "")))
+            continue
+        raise InvalidRequest(
+            f"Tool output part {k} is {part['type']}: the upstream model server (vLLM) cannot take images or "
+            "files in tool outputs. Send them in a user message instead.",
+            param=f"{param}[{k}]", code="unsupported_tool_output_part",
+        )
+    return "".join(texts)
+
+
+def upstream_input_items(items: Sequence[Any], ctx: ResolvedToolContext, param: str = "input") -> list[Any]:
+    out: list[Any] = []
+    for i, item in enumerate(items):
+        p = f"{param}[{i}]"
+        if not isinstance(item, dict):
+            raise InvalidRequest("Each input item must be an object.", param=p, code="invalid_type")
+        itype = item.get("type")
+        if itype == "custom_tool_call":
+            raw = item.get("input")
+            if not isinstance(raw, str) or not isinstance(item.get("call_id"), str):
+                raise InvalidRequest("A custom_tool_call item needs a string 'call_id' and 'input'.", param=p,
+                                     code="invalid_value")
+            out.append({
+                "type": "function_call",
+                "call_id": item["call_id"],
+                "name": ctx.to_upstream_name(str(item.get("name", "")), item.get("namespace")),
+                "arguments": orjson.dumps({"input": raw}).decode(),
+                "status": "completed",
+            })
+        elif itype == "custom_tool_call_output" or itype == "function_call_output":
+            if not isinstance(item.get("call_id"), str):
+                raise InvalidRequest(f"A {itype} item needs a string 'call_id'.", param=p, code="invalid_value")
+            out.append({"type": "function_call_output", "call_id": item["call_id"],
+                        "output": _check_output_parts(item.get("output"), f"{p}.output")})
+        elif itype == "function_call":
+            call = {k: v for k, v in item.items() if k not in ("namespace", "caller", "async")}
+            if item.get("namespace"):
+                call["name"] = ctx.to_upstream_name(str(item.get("name", "")), item["namespace"])
+            if isinstance(call.get("id"), str) and not call["id"].startswith("fc_"):
+                call.pop("id")
+            out.append(call)
+        elif itype == "reasoning" and "encrypted_content" in item:
+            # vLLM answers 400 "Encrypted content is not supported" even for null.
+            out.append({k: v for k, v in item.items() if k != "encrypted_content"})
+        elif item.get("role") == "developer" and "tools" in item and itype in (None, "message"):
+            msg = {k: v for k, v in item.items() if k != "tools"}
+            msg.setdefault("content", "")
+            out.append(msg)
+        else:
+            out.append(item)
+    return out
+
+
+def build_upstream_request(
+    body: Mapping[str, Any], ctx: ResolvedToolContext, history: Sequence[Any] = ()
+) -> dict[str, Any]:
+    """The upstream body: tools normalized, history expanded, state kept out of vLLM."""
+    up = {k: v for k, v in body.items() if k not in _GATEWAY_FIELDS}
+    up["store"] = False
+    new_input = body.get("input")
+    if isinstance(new_input, str):
+        new_items: list[Any] = [{"type": "message", "role": "user", "content": new_input}] if history else []
+        up["input"] = upstream_input_items([*history, *new_items], ctx) if history else new_input
+    elif isinstance(new_input, list):
+        up["input"] = upstream_input_items([*history, *new_input], ctx)
+    elif new_input is None and history:
+        up["input"] = upstream_input_items(list(history), ctx)
+
+    up.pop("tools", None)
+    up.pop("tool_choice", None)
+    tools = upstream_tools(ctx)
+    if ctx.upstream_tool_choice == "none":
+        # vLLM renders tools into the prompt even with "none" (unless --exclude-tools-when-tool-choice-none):
+        # leaving them out keeps the model answering in text.
+        up["tool_choice"] = "none"
+    elif tools:
+        up["tools"] = tools
+        up["tool_choice"] = ctx.upstream_tool_choice
+    elif ctx.tool_choice_given:
+        up["tool_choice"] = ctx.upstream_tool_choice
+    include = body.get("include")
+    if isinstance(include, list):
+        kept = [v for v in include if v in VLLM_INCLUDES]
+        if kept:
+            up["include"] = kept
+        else:
+            up.pop("include", None)
+    return up

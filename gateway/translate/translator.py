@@ -1,0 +1,555 @@
+"""FunctionSseTranslator: upstream Responses frames in, client frames out. Pure; no I/O.
+
+Theory of operation
+-------------------
+vLLM streams every tool call as a ``function_call`` item because the gateway rewrote custom and
+namespace tools into functions. For each upstream item the translator decides, once, what the client
+sees (``_Item.kind``):
+
+* ``custom``     the call is shown as a ``custom_tool_call``: ``custom_tool_call_input.delta`` events carry
+                 the decoded ``input`` string as it arrives, ``.done`` carries the whole of it;
+* ``function``   a function call, passed through (namespace members get their public name back);
+* ``pass``       messages, reasoning and anything unknown, passed through;
+* ``pending``    a call whose name has not arrived: its frames are held (at most
+                 ``max_unnamed_call_bytes`` per response) until the name arrives, then released in order;
+* ``suppressed`` a call after the first one when ``parallel_tool_calls`` is false: nothing is emitted.
+
+``sequence_number`` is renumbered from 0 over the emitted events and ``output_index`` is assigned in
+emission order, so both stay contiguous whatever is held or suppressed. A frame whose numbers already
+match is forwarded as the text it came in (the common case, and the cheap one).
+
+The stream always ends with exactly one terminal event (``response.completed``, ``.incomplete`` or
+``.failed``): the upstream's, or one the translator makes when the upstream ends early
+(``finish``), breaks (``fail``) or overflows the hold buffer. ``finished`` tells the I/O shell to
+stop reading and close the upstream request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from gateway.translate.accumulator import ResponseAccumulator, UpstreamItem
+from gateway.translate.custom_input import InputDecoder, final_input
+from gateway.translate.restore import RequestState, client_call_item, restore_response
+from gateway.translate.tool_context import ToolInfo
+
+__all__ = ["FunctionSseTranslator", "TranslatorStats"]
+
+_LIFECYCLE_START = frozenset({"response.created", "response.in_progress", "response.queued"})
+_TERMINAL = {"completed": "response.completed", "incomplete": "response.incomplete", "failed": "response.failed"}
+_FRAME_PREFIX = b"event: "
+
+
+def _frame(etype: str, data: bytes) -> bytes:
+    return b"".join((_FRAME_PREFIX, etype.encode(), b"\ndata: ", data, b"\n\n"))
+
+
+@dataclass(slots=True)
+class TranslatorStats:
+    custom_calls: int = 0
+    function_calls: int = 0
+    suppressed_calls: int = 0
+    held_bytes_peak: int = 0
+    overflowed: bool = False
+    input_mismatches: int = 0
+    raw_inputs: int = 0
+
+
+@dataclass(slots=True)
+class _Item:
+    up: UpstreamItem
+    kind: str = "pass"
+    client_index: int = -1
+    item_id: str | None = None
+    info: ToolInfo | None = None
+    held: list[tuple[str, dict[str, Any], str]] = field(default_factory=list)
+    decoder: InputDecoder | None = None
+    emitted: list[str] = field(default_factory=list)
+    input_done: str | None = None
+    args_done_sent: bool = False
+    final: dict[str, Any] | None = None
+
+    @property
+    def open(self) -> bool:
+        return self.client_index >= 0 and self.final is None
+
+
+class FunctionSseTranslator:
+    def __init__(self, state: RequestState) -> None:
+        self.state = state
+        self.acc = ResponseAccumulator()
+        self.stats = TranslatorStats()
+        self.finished = False
+        self.final_response: dict[str, Any] | None = None
+        self._seq = 0
+        self._next_index = 0
+        self._items: dict[int, _Item] = {}
+        self._order: list[_Item] = []
+        self._held_bytes = 0
+        self._created = False
+        self._in_progress = False
+        self._call_shown = False
+        self._handlers: dict[str, Callable[[str, dict[str, Any], str], list[bytes]]] = {
+            "response.output_item.added": self._on_added,
+            "response.output_item.done": self._on_item_done,
+            "response.completed": self._on_terminal,
+            "response.incomplete": self._on_terminal,
+            "response.failed": self._on_terminal,
+            "error": self._on_error,
+        }
+
+    # ------------------------------------------------------------------ entry points
+
+    def feed(self, event: str, data: str) -> list[bytes]:
+        """One upstream SSE frame (its ``event:`` name and ``data:`` text) -> client frames."""
+        if self.finished:
+            return []
+        if data == "[DONE]":
+            return []
+        try:
+            d = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return self.fail("upstream_malformed_event", "The upstream sent an event that is not valid JSON.")
+        if not isinstance(d, dict):
+            return self.fail("upstream_malformed_event", "The upstream sent an event that is not a JSON object.")
+        etype = d.get("type") or event
+        if not isinstance(etype, str):
+            return self.fail("upstream_malformed_event", "The upstream sent an event without a type.")
+        handler = self._handlers.get(etype)
+        if handler is not None:
+            return handler(etype, d, data)
+        if etype in _LIFECYCLE_START:
+            return self._on_start(etype, d)
+        if "output_index" in d:
+            return self._on_sub_event(etype, d, data)
+        return self._forward(etype, d, data)
+
+    def finish(self) -> list[bytes]:
+        """The upstream stream ended. Without a terminal event that is a failure, never a hang."""
+        if self.finished:
+            return []
+        return self.fail("upstream_stream_incomplete",
+                         "The upstream stream ended before the response completed.")
+
+    def fail(self, code: str, message: str) -> list[bytes]:
+        """End the response with ``response.failed`` (broken upstream, timeout, overflow, shutdown)."""
+        if self.finished:
+            return []
+        out = self._ensure_started()
+        out += self._close_open_items("incomplete")
+        error = {"code": code, "message": message}
+        resp = restore_response(self.acc.snapshot, self.state, output=self._final_output(), status="failed",
+                                error=error)
+        out.append(self._emit("response.failed", {"response": resp}))
+        self.finished = True
+        self.final_response = resp
+        return out
+
+    # ------------------------------------------------------------------ emission helpers
+
+    def _emit(self, etype: str, payload: dict[str, Any]) -> bytes:
+        payload["type"] = etype
+        payload["sequence_number"] = self._seq
+        self._seq += 1
+        return _frame(etype, orjson.dumps(payload))
+
+    def _forward(self, etype: str, d: dict[str, Any], data: str, client_index: int | None = None) -> list[bytes]:
+        """Pass a frame on; re-serialize only when its numbers must change."""
+        if d.get("sequence_number") == self._seq and (client_index is None or d.get("output_index") == client_index):
+            self._seq += 1
+            return [_frame(etype, data.encode())]
+        if client_index is not None:
+            d["output_index"] = client_index
+        return [self._emit(etype, d)]
+
+    def _ensure_started(self) -> list[bytes]:
+        out: list[bytes] = []
+        if not self._created:
+            self._created = True
+            resp = restore_response(self.acc.snapshot, self.state, output=[], status="in_progress")
+            resp["usage"] = None
+            out.append(self._emit("response.created", {"response": resp}))
+        if not self._in_progress:
+            self._in_progress = True
+            resp = restore_response(self.acc.snapshot, self.state, output=[], status="in_progress")
+            resp["usage"] = None
+            out.append(self._emit("response.in_progress", {"response": resp}))
+        return out
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def _on_start(self, etype: str, d: dict[str, Any]) -> list[bytes]:
+        self.acc.apply(etype, d)
+        if etype == "response.created" and not self._created:
+            self._created = True
+            resp = restore_response(self.acc.snapshot, self.state, output=[], status="in_progress")
+            return [self._emit(etype, {"response": resp})]
+        if etype == "response.in_progress" and not self._in_progress:
+            out = [] if self._created else self._ensure_started()[:1]
+            self._in_progress = True
+            resp = restore_response(self.acc.snapshot, self.state, output=[], status="in_progress")
+            out.append(self._emit(etype, {"response": resp}))
+            return out
+        return []  # duplicates (and queued) are folded into the snapshot only
+
+    def _on_error(self, etype: str, d: dict[str, Any], data: str) -> list[bytes]:
+        err = d.get("error") if isinstance(d.get("error"), dict) else d
+        code = err.get("code")
+        return self.fail(code if isinstance(code, str) else "upstream_error",
+                         str(err.get("message") or "The upstream reported an error."))
+
+    def _on_terminal(self, etype: str, d: dict[str, Any], data: str) -> list[bytes]:
+        self.acc.apply(etype, d)
+        resp = self.acc.terminal or {}
+        out = self._ensure_started()
+        # Reconcile with the upstream's final output: items it never streamed are shown now, and calls
+        # still waiting for a name take it from there.
+        for item in resp.get("output") or ():
+            if not isinstance(item, dict):
+                continue
+            st = self._match(item)
+            if st is None:
+                idx = 1_000_000 + len(self._items)
+                st = self._items[idx] = _Item(self.acc.item(idx))
+                out += self._on_item_done("response.output_item.done",
+                                          {"output_index": idx, "item": item, "sequence_number": -1}, "")
+            elif st.kind == "pending":
+                if not item.get("name"):
+                    break
+                out += self._on_item_done("response.output_item.done",
+                                          {"output_index": st.up.output_index, "item": item,
+                                           "sequence_number": -1}, "")
+            if self.finished:
+                return out
+        if any(st.kind == "pending" for st in self._items.values()):
+            return out + self.fail("unnamed_tool_call",
+                                   "The upstream produced a tool call whose name never arrived.")
+        status = resp.get("status") if resp.get("status") in ("completed", "incomplete", "failed") else None
+        if status is None:
+            status = etype.removeprefix("response.") if etype != "response.completed" else "completed"
+        out += self._close_open_items("completed" if status == "completed" else "incomplete")
+        error = resp.get("error") if isinstance(resp.get("error"), dict) else None
+        if status == "failed" and error is None:
+            error = {"code": "upstream_failed", "message": "The upstream reported the response as failed."}
+        final = restore_response(resp, self.state, output=self._final_output(), status=status, error=error)
+        out.append(self._emit(_TERMINAL[status], {"response": final}))
+        self.finished = True
+        self.final_response = final
+        return out
+
+    def _match(self, item: dict[str, Any]) -> _Item | None:
+        iid, cid = item.get("id"), item.get("call_id")
+        for st in self._items.values():
+            up = st.up.item
+            if (iid and up.get("id") == iid) or (cid and up.get("call_id") == cid):
+                return st
+        return None
+
+    # ------------------------------------------------------------------ items
+
+    def _on_added(self, etype: str, d: dict[str, Any], data: str) -> list[bytes]:
+        out = self._ensure_started()
+        up = self.acc.apply(etype, d)
+        if up is None:
+            return out
+        st = self._items.get(up.output_index)
+        if st is None:
+            st = self._items[up.output_index] = _Item(up)
+        item = up.item
+        if item.get("type") == "function_call":
+            if not up.name:
+                st.kind = "pending"
+                return out + self._hold(st, etype, d, data)
+            out += self._open_call(st)
+            return out
+        st.kind = "pass"
+        st.item_id = item.get("id")
+        self._assign(st)
+        return out + self._forward(etype, d, data, st.client_index)
+
+    def _assign(self, st: _Item) -> None:
+        st.client_index = self._next_index
+        self._next_index += 1
+        self._order.append(st)
+
+    def _open_call(self, st: _Item) -> list[bytes]:
+        """Decide what the client sees of a call whose name is now known, and open it."""
+        up = st.up
+        if self._call_shown and not self.state.ctx.parallel_tool_calls:
+            st.kind = "suppressed"
+            self.stats.suppressed_calls += 1
+            return []
+        self._call_shown = True
+        st.info = self.state.ctx.lookup(up.name)
+        base = dict(up.item)
+        base["name"] = up.name
+        if st.info is not None and st.info.kind == "custom":
+            st.kind = "custom"
+            st.decoder = InputDecoder()
+            self.stats.custom_calls += 1
+            item = client_call_item(base, st.info, "")
+        else:
+            st.kind = "function"
+            self.stats.function_calls += 1
+            item = client_call_item(base, st.info)
+            item["arguments"] = ""
+            item["status"] = "in_progress"
+        st.item_id = item.get("id")
+        self._assign(st)
+        return [self._emit("response.output_item.added", {"output_index": st.client_index, "item": item})]
+
+    def _hold(self, st: _Item, etype: str, d: dict[str, Any], data: str) -> list[bytes]:
+        size = len(data)
+        self._held_bytes += size
+        self.stats.held_bytes_peak = max(self.stats.held_bytes_peak, self._held_bytes)
+        if self._held_bytes > self.state.max_unnamed_call_bytes:
+            self.stats.overflowed = True
+            return self.fail(
+                "unnamed_call_buffer_overflow",
+                f"A tool call's name did not arrive within {self.state.max_unnamed_call_bytes} bytes of its "
+                "frames; the gateway stopped the response rather than buffer without bound.",
+            )
+        st.held.append((etype, d, data))
+        return []
+
+    def _release(self, st: _Item) -> list[bytes]:
+        """The name arrived: open the call and replay its held frames in their original order."""
+        held, st.held = st.held, []
+        self._held_bytes -= sum(len(h[2]) for h in held)
+        out = self._open_call(st)
+        for etype, d, data in held:
+            if etype == "response.output_item.added":
+                continue
+            out += self._route_sub_event(st, etype, d, data)
+        return out
+
+    def _on_sub_event(self, etype: str, d: dict[str, Any], data: str) -> list[bytes]:
+        idx = d["output_index"]
+        st = self._items.get(idx) if isinstance(idx, int) else None
+        if st is None:
+            if not isinstance(idx, int):
+                return []
+            # An event for an item that was never added: hold it until its output_item.done says what it is.
+            up = self.acc.item(idx)
+            st = self._items[idx] = _Item(up, kind="pending")
+        up = self.acc.apply(etype, d) or st.up
+        if st.kind == "pending":
+            if etype == "response.function_call_arguments.done" and up.name and up.type == "function_call":
+                return self._release(st) + self._route_sub_event(st, etype, d, data, applied=True)
+            return self._hold(st, etype, d, data)
+        return self._route_sub_event(st, etype, d, data, applied=True)
+
+    def _route_sub_event(self, st: _Item, etype: str, d: dict[str, Any], data: str,
+                         applied: bool = True) -> list[bytes]:
+        kind = st.kind
+        if kind == "suppressed":
+            return []
+        if kind == "custom":
+            if etype == "response.function_call_arguments.delta":
+                return self._custom_delta(st, str(d.get("delta", "")))
+            if etype == "response.function_call_arguments.done":
+                return self._custom_done(st, str(d.get("arguments", "")))
+            return []  # nothing else belongs to a custom call
+        if kind == "function" and etype == "response.function_call_arguments.done":
+            st.args_done_sent = True
+            if st.info is not None or not d.get("name"):
+                d["name"] = st.info.name if st.info is not None else st.up.name
+                d["output_index"] = st.client_index
+                d["item_id"] = st.item_id
+                return [self._emit(etype, d)]
+        if "item_id" in d and st.item_id is not None and d["item_id"] != st.item_id:
+            d["item_id"] = st.item_id
+            d["output_index"] = st.client_index
+            return [self._emit(etype, d)]
+        return self._forward(etype, d, data, st.client_index)
+
+    def _custom_delta(self, st: _Item, delta: str) -> list[bytes]:
+        assert st.decoder is not None
+        piece = st.decoder.feed(delta)
+        if not piece:
+            return []
+        st.emitted.append(piece)
+        return [self._emit("response.custom_tool_call_input.delta",
+                           {"item_id": st.item_id, "output_index": st.client_index, "delta": piece})]
+
+    def _custom_done(self, st: _Item, arguments: str) -> list[bytes]:
+        """Settle the input; a catch-up delta keeps the deltas' concatenation equal to the done input."""
+        if st.input_done is not None:
+            return []
+        value = final_input(arguments, st.decoder)
+        if (st.decoder is not None and st.decoder.mode == "raw") or (value == arguments and not st.emitted):
+            if value == arguments and arguments and not _is_input_json(arguments):
+                self.stats.raw_inputs += 1
+        sent = "".join(st.emitted)
+        out: list[bytes] = []
+        if value.startswith(sent):
+            rest = value[len(sent):]
+            if rest:
+                st.emitted.append(rest)
+                out.append(self._emit("response.custom_tool_call_input.delta",
+                                      {"item_id": st.item_id, "output_index": st.client_index, "delta": rest}))
+        else:
+            self.stats.input_mismatches += 1  # the authoritative value wins; the deltas were a guess
+        st.input_done = value
+        out.append(self._emit("response.custom_tool_call_input.done",
+                              {"item_id": st.item_id, "output_index": st.client_index, "input": value}))
+        return out
+
+    def _on_item_done(self, etype: str, d: dict[str, Any], data: str) -> list[bytes]:
+        out = self._ensure_started()
+        idx = d.get("output_index")
+        if not isinstance(idx, int):
+            return out
+        existing = self._items.get(idx)
+        up = self.acc.apply(etype, d)
+        if up is None:
+            return out
+        st = existing
+        if st is None:
+            st = self._items[idx] = _Item(up)
+        item = up.item
+        if existing is None or (st.kind == "pending" and st.client_index < 0 and not st.held):
+            # Done-only: the upstream never announced this item; show a complete lifecycle now.
+            return out + self._done_only(st)
+        if st.kind == "pending":
+            if item.get("type") != "function_call" or not up.name:
+                if item.get("type") == "function_call":
+                    return out + self.fail("unnamed_tool_call",
+                                           "The upstream finished a tool call without ever naming it.")
+                held, st.held = st.held, []
+                self._held_bytes -= sum(len(h[2]) for h in held)
+                return out + self._done_only(st)
+            out += self._release(st)
+        return out + self._close_item(st, "completed")
+
+    def _done_only(self, st: _Item) -> list[bytes]:
+        up = st.up
+        item = up.item
+        out: list[bytes] = []
+        if item.get("type") == "function_call":
+            if not up.name:
+                return self.fail("unnamed_tool_call", "The upstream finished a tool call without ever naming it.")
+            out += self._open_call(st)
+            if st.kind == "suppressed":
+                return out
+            if st.kind == "custom":
+                out += self._custom_done(st, up.arguments)
+            else:
+                args = up.arguments
+                if args:
+                    out.append(self._emit("response.function_call_arguments.delta",
+                                          {"item_id": st.item_id, "output_index": st.client_index, "delta": args}))
+                out += self._args_done(st)
+            return out + self._close_item(st, "completed")
+        st.kind = "pass"
+        st.item_id = item.get("id")
+        self._assign(st)
+        opened = _opening(item)
+        out.append(self._emit("response.output_item.added", {"output_index": st.client_index, "item": opened}))
+        out += self._synthesize_parts(st, item)
+        return out + self._close_item(st, "completed")
+
+    def _synthesize_parts(self, st: _Item, item: dict[str, Any]) -> list[bytes]:
+        out: list[bytes] = []
+        base = {"item_id": st.item_id, "output_index": st.client_index}
+        itype = item.get("type")
+        if itype == "message":
+            for ci, part in enumerate(item.get("content") or ()):
+                if not isinstance(part, dict) or part.get("type") != "output_text":
+                    continue
+                text = str(part.get("text", ""))
+                out.append(self._emit("response.content_part.added", {
+                    **base, "content_index": ci, "part": {"type": "output_text", "text": "", "annotations": []}}))
+                if text:
+                    out.append(self._emit("response.output_text.delta",
+                                          {**base, "content_index": ci, "delta": text, "logprobs": []}))
+                out.append(self._emit("response.output_text.done",
+                                      {**base, "content_index": ci, "text": text, "logprobs": []}))
+                out.append(self._emit("response.content_part.done", {**base, "content_index": ci, "part": part}))
+        elif itype == "reasoning":
+            for ci, part in enumerate(item.get("content") or ()):
+                if not isinstance(part, dict):
+                    continue
+                text = str(part.get("text", ""))
+                out.append(self._emit("response.content_part.added", {
+                    **base, "content_index": ci, "part": {"type": "reasoning_text", "text": ""}}))
+                if text:
+                    out.append(self._emit("response.reasoning_text.delta",
+                                          {**base, "content_index": ci, "delta": text}))
+                out.append(self._emit("response.reasoning_text.done", {**base, "content_index": ci, "text": text}))
+                out.append(self._emit("response.content_part.done", {**base, "content_index": ci, "part": part}))
+        return out
+
+    def _args_done(self, st: _Item) -> list[bytes]:
+        if st.args_done_sent:
+            return []
+        st.args_done_sent = True
+        name = st.info.name if st.info is not None else st.up.name
+        return [self._emit("response.function_call_arguments.done", {
+            "item_id": st.item_id, "output_index": st.client_index, "arguments": st.up.arguments, "name": name})]
+
+    def _close_item(self, st: _Item, status: str) -> list[bytes]:
+        """``output_item.done`` with the authoritative item (the upstream's done item, or what we built)."""
+        if st.kind == "suppressed" or st.client_index < 0 or st.final is not None:
+            return []
+        up = st.up
+        out: list[bytes] = []
+        if st.kind == "custom":
+            out += self._custom_done(st, up.arguments)
+            final = client_call_item({**up.item, "name": up.name}, st.info, st.input_done)
+        elif st.kind == "function":
+            out += self._args_done(st)
+            final = client_call_item({**up.item, "name": up.name, "arguments": up.arguments}, st.info)
+            final["status"] = status
+        else:
+            final = dict(up.item)
+            if not up.done:
+                final = _with_partial_text(final, up)
+                final["status"] = status
+        st.final = final
+        out.append(self._emit("response.output_item.done", {"output_index": st.client_index, "item": final}))
+        return out
+
+    def _close_open_items(self, status: str) -> list[bytes]:
+        out: list[bytes] = []
+        for st in self._order:
+            if st.open:
+                out += self._close_item(st, status)
+        return out
+
+    def _final_output(self) -> list[dict[str, Any]]:
+        return [st.final for st in self._order if st.final is not None]
+
+
+def _is_input_json(arguments: str) -> bool:
+    try:
+        parsed = orjson.loads(arguments)
+    except orjson.JSONDecodeError:
+        return False
+    return isinstance(parsed, str) or (isinstance(parsed, dict) and isinstance(parsed.get("input"), str))
+
+
+def _opening(item: dict[str, Any]) -> dict[str, Any]:
+    """The ``output_item.added`` form of a finished item: same identity, empty accumulators."""
+    opened = dict(item)
+    opened["status"] = "in_progress"
+    if item.get("type") == "message":
+        opened["content"] = []
+    elif item.get("type") == "reasoning":
+        opened["summary"] = []
+        if "content" in opened:
+            opened["content"] = []
+    return opened
+
+
+def _with_partial_text(item: dict[str, Any], up: UpstreamItem) -> dict[str, Any]:
+    if item.get("type") == "message" and up.texts:
+        item["content"] = [{"type": "output_text", "text": up.text(ci), "annotations": [], "logprobs": []}
+                           for ci in sorted(up.texts)]
+    elif item.get("type") == "reasoning" and up.texts:
+        item["content"] = [{"type": "reasoning_text", "text": up.text(ci)} for ci in sorted(up.texts)]
+    return item
