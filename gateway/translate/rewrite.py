@@ -56,6 +56,9 @@ def _upstream_tool(info: ToolInfo) -> dict[str, Any]:
             "name": info.upstream_name,
             "description": custom_tool_description(info.definition),
             "parameters": INPUT_PARAM_SCHEMA,
+            # strict makes vLLM constrain the arguments to the schema; without it the tiny model answered
+            # non-objects (null, Infinity) for a named call (docs/vllm-findings.md §f).
+            "strict": True,
         }
     tool = dict(info.definition)
     tool["name"] = info.upstream_name
@@ -86,18 +89,24 @@ def _check_output_parts(output: Any, param: str) -> Any:
 
 
 def upstream_tool_output(parts: list[Any], param: str) -> Any:
-    """Content-array tool outputs in a form vLLM accepts (see docs/vllm-findings.md)."""
-    texts: list[str] = []
+    """Content-array tool outputs in the form vLLM 0.32 accepts (docs/vllm-findings.md §a).
+
+    Text parts pass as they are (vLLM joins them, the same prompt as a string). Image parts pass with the
+    ``detail`` vLLM requires; a text-only model then answers its own clear 400. File parts are refused by
+    vLLM on every path, so the gateway names the part in a 400 instead of dropping it.
+    """
+    out: list[Any] = []
     for k, part in enumerate(parts):
-        if part["type"] == "input_text":
-            texts.append(str(part.get("text", "")))
-            continue
-        raise InvalidRequest(
-            f"Tool output part {k} is {part['type']}: the upstream model server (vLLM) cannot take images or "
-            "files in tool outputs. Send them in a user message instead.",
-            param=f"{param}[{k}]", code="unsupported_tool_output_part",
-        )
-    return "".join(texts)
+        if part["type"] == "input_file":
+            raise InvalidRequest(
+                f"Tool output part {k} is an input_file: the upstream model server (vLLM) does not accept files "
+                "in tool outputs. Send the file's text as an input_text part instead.",
+                param=f"{param}[{k}]", code="unsupported_tool_output_part",
+            )
+        if part["type"] == "input_image" and not part.get("detail"):
+            part = {**part, "detail": "auto"}
+        out.append(part)
+    return out
 
 
 def upstream_input_items(items: Sequence[Any], ctx: ResolvedToolContext, param: str = "input") -> list[Any]:
