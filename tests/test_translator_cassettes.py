@@ -32,11 +32,19 @@ def client_request_for(upstream: dict[str, Any] | None) -> dict[str, Any]:
     return req
 
 
+def _fn(name: str, prop: str) -> dict[str, Any]:
+    return {"type": "function", "name": name,
+            "parameters": {"type": "object", "properties": {prop: {"type": "string"}}}}
+
+
 DEFAULT_TOOLS = [
     {"type": "custom", "name": "apply_patch", "description": "Apply a patch."},
-    {"type": "function", "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}},
-    {"type": "function", "name": "get_time", "parameters": {"type": "object", "properties": {"tz": {"type": "string"}}}},
+    _fn("get_weather", "city"),
+    _fn("get_time", "tz"),
 ]
+NAMESPACE = {"type": "namespace", "name": "crm", "description": "CRM", "tools": [
+    {"type": "function", "name": "get_customer_profile", "parameters": {"type": "object"}},
+    {"type": "custom", "name": "crm_query"}]}
 
 
 def translate(body: bytes, request: dict[str, Any], chunk: int | None = None) -> tuple[list[dict[str, Any]], Any]:
@@ -55,7 +63,8 @@ def translate(body: bytes, request: dict[str, Any], chunk: int | None = None) ->
 
 
 def stream_cassettes() -> list[Path]:
-    paths = sorted((CASSETTES / "vllm").glob("*_stream.yaml")) + sorted((CASSETTES / "synthesized").glob("*_stream.yaml"))
+    paths = [*sorted((CASSETTES / "vllm").glob("*_stream.yaml")),
+             *sorted((CASSETTES / "synthesized").glob("*_stream.yaml"))]
     keep = []
     for p in paths:
         inter = load_cassette(p).interactions[0]
@@ -71,9 +80,7 @@ def test_every_stream_cassette_meets_the_contract(path: Path, chunk: int | None)
     inter = cassette.interactions[0]
     request = client_request_for(inter.request_body)
     if cassette.synthesized:
-        request["tools"] = DEFAULT_TOOLS + [{"type": "namespace", "name": "crm", "description": "CRM", "tools": [
-            {"type": "function", "name": "get_customer_profile", "parameters": {"type": "object"}},
-            {"type": "custom", "name": "crm_query"}]}]
+        request["tools"] = [*DEFAULT_TOOLS, NAMESPACE]
     events, tr = translate(inter.body, request, chunk)
     summary = check_stream(events, request)
     # Every upstream call of a client custom tool became a custom_tool_call; no function events for it.
@@ -144,7 +151,7 @@ def test_done_only_items_get_a_full_lifecycle_after_reasoning() -> None:
 
 def test_malformed_envelope_fails_the_response_cleanly() -> None:
     inter = load_cassette(CASSETTES / "synthesized/malformed_envelope_stream.yaml").interactions[0]
-    events, tr = translate(inter.body, {"model": "tiny", "input": "x", "tools": DEFAULT_TOOLS[1:2]})
+    events, _ = translate(inter.body, {"model": "tiny", "input": "x", "tools": DEFAULT_TOOLS[1:2]})
     check_stream(events)
     assert events[-1]["type"] == "response.failed"
     assert events[-1]["response"]["error"]["code"] == "upstream_malformed_event"
