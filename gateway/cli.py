@@ -19,7 +19,8 @@ def _parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="Serve the gateway in front of an upstream vLLM.")
     add_arguments(serve)
     demo = sub.add_parser("demo", help="Serve the gateway in front of recorded vLLM answers (no GPU needed).")
-    add_arguments(demo, only=("host", "port", "log_level", "api_keys", "max_body_bytes"))
+    add_arguments(demo, only=("host", "port", "log_level", "api_keys", "api_keys_file", "max_body_bytes",
+                              "max_concurrency", "drain_timeout"))
     return parser
 
 
@@ -37,9 +38,11 @@ def run(settings: Settings, *, demo: bool = False) -> int:
 
         transport = demo_transport()
     app = create_app(settings, transport=transport)
+    # log_config=None: uvicorn's loggers go through the JSON handler configure_logging installed; the
+    # gateway writes its own access line per request. The drain timeout is set by serve_until_stopped.
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, access_log=False,
-                            timeout_graceful_shutdown=None, lifespan="on")
-    return serve_until_stopped(uvicorn.Server(config), app, settings)
+                            lifespan="on")
+    return serve_until_stopped(config, app.state.drain, settings)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,18 +12,33 @@ from typing import Any
 import httpx
 import structlog
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import Message, Receive, Scope, Send
 
 from gateway.config import Settings
-from gateway.errors import GatewayError, InvalidRequest, NotFound
+from gateway.errors import (
+    GatewayError,
+    InvalidRequest,
+    NotFound,
+    PayloadTooLarge,
+    RateLimited,
+    ServiceUnavailable,
+    Unauthorized,
+)
+from gateway.server.auth import ApiKeyAuth, GatewayAuthMiddleware, unauthorized, verdict
+from gateway.server.health import Readiness
 from gateway.server.http import OrjsonResponse, SseResponse, error_response
-from gateway.server.observe import Observer
+from gateway.server.limits import ConcurrencyLimiter, Slot, limited_stream
+from gateway.server.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
+from gateway.server.observe import Observer, ensure_logging
 from gateway.server.record import RequestRecord
 from gateway.server.responses import ResponsesHandler
+from gateway.server.shutdown import Drain
 from gateway.store import ResponseStore, open_store, run_sweeper
-from gateway.upstream.client import HOP_BY_HOP, UpstreamClient
+from gateway.upstream.client import HOP_BY_HOP, UpstreamClient, map_transport_error
 
 log = structlog.get_logger("gateway.app")
 
@@ -39,36 +54,91 @@ def _request_id(request: Request) -> str:
     return "req_" + uuid.uuid4().hex
 
 
-async def _finalizing(body: AsyncIterator[bytes], record: RequestRecord, end: Callable[[RequestRecord], None]
-                      ) -> AsyncIterator[bytes]:
-    try:
-        async for chunk in body:
-            record.response_bytes += len(chunk)
-            yield chunk
-    finally:
-        aclose = getattr(body, "aclose", None)
-        if aclose is not None:
-            await aclose()
-        record.duration = time.perf_counter() - record.started
-        end(record)
+class _Tracked(Response):
+    """Runs ``done`` after the wrapped response was sent, whatever happened while sending it.
+
+    A finally around the body iterator is not enough: a generator that never started (client gone before
+    the first byte) never runs its finally, and the concurrency slot would leak.
+    """
+
+    def __init__(self, inner: Response, record: RequestRecord, done: Callable[[], None]) -> None:
+        self.inner = inner
+        self.record = record
+        self.done = done
+        self.status_code = inner.status_code
+        self.background = None
+        self.raw_headers = inner.raw_headers
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        record = self.record
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.body":
+                size = len(message.get("body", b""))
+                if size and record.ttfb is None:
+                    record.ttfb = time.perf_counter() - record.started
+                record.response_bytes += size
+            await send(message)
+
+        try:
+            await self.inner(scope, receive, counting_send)
+        finally:
+            self.done()
+
+
+def _rejection(exc: GatewayError) -> str | None:
+    if isinstance(exc, Unauthorized):
+        return "unauthorized"
+    if isinstance(exc, RateLimited):
+        return "concurrency"
+    if isinstance(exc, PayloadTooLarge):
+        return "body_too_large"
+    if isinstance(exc, ServiceUnavailable) and exc.code == "gateway_shutting_down":
+        return "draining"
+    return None
 
 
 def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None = None,
                store: ResponseStore | str | None = "from-settings", observer: Observer | None = None) -> Starlette:
     """Build the gateway. ``transport`` replaces the network to the upstream (tests, the demo);
     ``store`` overrides ``settings.store`` with an already built store (or None)."""
+    ensure_logging(settings.log_level)
     observer = observer or Observer()
+    metrics = GatewayMetrics()
+    observer.listeners.append(metrics.observe)
+    drain = Drain()
+    drain.on_abort.append(metrics.aborted_on_shutdown.inc)
+    readiness = Readiness(draining=lambda: drain.draining)
+    auth = ApiKeyAuth(settings.all_api_keys())
+    limiter = ConcurrencyLimiter(settings.max_concurrency)
+    metrics.in_flight.set_function(lambda: limiter.active)
     services: dict[str, Any] = {}
+
+    def admit(request: Request) -> Slot:
+        """Checks every gateway request passes before its handler runs, cheapest and most telling first."""
+        if auth.enabled:
+            authorized, presented = verdict(request.scope)
+            if not authorized:
+                raise unauthorized(presented)
+        if drain.draining:
+            raise ServiceUnavailable("The gateway is shutting down; retry on another instance.",
+                                     code="gateway_shutting_down", headers={"connection": "close"})
+        return limiter.acquire()
 
     def wrap(route: str, handler: Handler) -> Callable[[Request], Awaitable[Response]]:
         async def endpoint(request: Request) -> Response:
             record = RequestRecord(request_id=_request_id(request), route=route, method=request.method,
                                    started=time.perf_counter())
             observer.begin(record)
+            slot: Slot | None = None
             try:
+                slot = admit(request)
                 response = await handler(request, record)
             except GatewayError as exc:
                 record.error_code = exc.code
+                reason = _rejection(exc)
+                if reason is not None:
+                    metrics.rejected.labels(reason).inc()
                 response = error_response(exc)
             except Exception as exc:  # never a traceback to the client; the log has the type, not the payload
                 log.error("unhandled_error", request_id=record.request_id, route=route, error=type(exc).__name__,
@@ -78,12 +148,19 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
                                                        type="server_error", code="internal_error"))
             response.headers["x-request-id"] = record.request_id
             record.status = response.status_code
-            if isinstance(response, SseResponse | StreamingResponse):
-                response.body_iterator = _finalizing(response.body_iterator, record, observer.end)
-            else:
+            streaming = isinstance(response, SseResponse | StreamingResponse)
+            if streaming and record.stream:
+                metrics.active_streams.inc()
+
+            def done() -> None:
+                if slot is not None:
+                    slot.release()
+                if streaming and record.stream:
+                    metrics.active_streams.dec()
                 record.duration = time.perf_counter() - record.started
                 observer.end(record)
-            return response
+
+            return _Tracked(response, record, done)
 
         return endpoint
 
@@ -129,7 +206,13 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
 
     async def proxy(request: Request, record: RequestRecord) -> Response:
         upstream: UpstreamClient = services["upstream"]
-        body = request.stream() if request.method not in ("GET", "HEAD", "OPTIONS") else None
+        body = None
+        if request.method not in ("GET", "HEAD", "OPTIONS"):
+            limit = settings.max_body_bytes
+            declared = request.headers.get("content-length", "")
+            if declared.isdigit() and int(declared) > limit:
+                raise PayloadTooLarge(f"The request body is {declared} bytes; the limit is {limit} bytes.")
+            body = limited_stream(request.stream(), limit)
         up = await upstream.proxy(request.method, request.url.path, request.url.query, request.headers, body)
         headers = {k: v for k, v in up.response.headers.items() if k.lower() not in HOP_BY_HOP}
         record.status = up.status_code
@@ -156,7 +239,7 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
                 sweeper = asyncio.create_task(run_sweeper(st, int(settings.store_ttl),
                                                           interval=min(300.0, max(1.0, settings.store_ttl / 10))))
         services.update(upstream=upstream, store=st,
-                        responses=ResponsesHandler(settings=settings, upstream=upstream, store=st))
+                        responses=ResponsesHandler(settings=settings, upstream=upstream, store=st, drain=drain))
         app.state.services = services
         try:
             yield
@@ -169,7 +252,39 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
             if st is not None:
                 await st.close()
 
+    # Operational endpoints: no auth, no concurrency slot, no access log line (probes poll every few seconds).
+    no_store = {"cache-control": "no-store"}
+
+    async def healthz(request: Request) -> Response:
+        return OrjsonResponse({"status": "ok"}, headers=no_store)
+
+    async def readyz(request: Request) -> Response:
+        upstream: UpstreamClient = services["upstream"]
+        state = await readiness.check(upstream.http, upstream.auth_headers({}))
+        if not drain.draining:
+            metrics.upstream_ready.set(1 if state.ready else 0)
+        if state.ready:
+            return OrjsonResponse({"status": "ok"}, headers=no_store)
+        return OrjsonResponse({"status": "unavailable", "reason": state.reason}, status_code=503, headers=no_store)
+
+    async def metrics_endpoint(request: Request) -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST, headers=no_store)
+
+    async def upstream_metrics(request: Request) -> Response:
+        upstream: UpstreamClient = services["upstream"]
+        try:
+            # Only the upstream key goes upstream: scrapers' headers are not forwarded.
+            up = await upstream.http.get("/metrics", headers=upstream.auth_headers({}), timeout=10.0)
+        except httpx.HTTPError as exc:
+            return error_response(map_transport_error(exc))
+        return Response(up.content, status_code=up.status_code, headers=no_store,
+                        media_type=up.headers.get("content-type", CONTENT_TYPE_LATEST))
+
     routes = [
+        Route("/healthz", healthz, methods=["GET", "HEAD"]),
+        Route("/readyz", readyz, methods=["GET", "HEAD"]),
+        Route("/metrics", metrics_endpoint, methods=["GET"]),
+        Route("/upstream/metrics", upstream_metrics, methods=["GET"]),
         Route("/v1/responses", wrap("/v1/responses", create_response), methods=["POST"]),
         Route("/v1/responses/{response_id}", wrap("/v1/responses/{id}", get_response), methods=["GET"]),
         Route("/v1/responses/{response_id}", wrap("/v1/responses/{id}", delete_response), methods=["DELETE"]),
@@ -180,9 +295,16 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
         Route("/{path:path}", wrap("proxy", proxy),
               methods=["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan)
+    # With gateway keys and no upstream key, the client's Authorization is the gateway key: never forward it.
+    middleware = [Middleware(GatewayAuthMiddleware, auth=auth,  # type: ignore[arg-type]
+                             strip=not settings.upstream_api_key)] if auth.enabled else []
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware)
     app.state.settings = settings
     app.state.observer = observer
+    app.state.metrics = metrics
+    app.state.drain = drain
+    app.state.readiness = readiness
+    app.state.limiter = limiter
     return app
 
 

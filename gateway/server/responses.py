@@ -19,6 +19,7 @@ from gateway.protocol.request import parse_request_body
 from gateway.protocol.sse import SseParser
 from gateway.server.http import OrjsonResponse, SseResponse, read_body
 from gateway.server.record import RequestRecord
+from gateway.server.shutdown import Drain, ShuttingDown
 from gateway.store import BrokenChainError, ResponseStore, StoredResponse
 from gateway.translate.restore import RequestState, build_request_state, restore_output, restore_response
 from gateway.translate.rewrite import build_upstream_request
@@ -69,6 +70,8 @@ class ResponsesHandler:
     store: ResponseStore | None
     # Hook points for tool_choice enforcement (gateway.enforce); None: forward as is.
     strategy: Callable[..., Awaitable[Response] | None] | None = None
+    # Graceful shutdown: ends streams still running after the drain period (gateway.server.shutdown).
+    drain: Drain | None = None
 
     async def create(self, request: Request, record: RequestRecord) -> Response:
         raw = await read_body(request, self.settings.max_body_bytes)
@@ -163,7 +166,8 @@ class ResponsesHandler:
         try:
             out: list[bytes] = []
             try:
-                async for chunk in up.response.aiter_bytes():
+                chunks = up.response.aiter_bytes()
+                async for chunk in (self.drain.guard(chunks) if self.drain is not None else chunks):
                     for event, data in parser.feed(chunk):
                         out += feed(event, data)
                         if translator.finished:
@@ -179,6 +183,9 @@ class ResponsesHandler:
                     for event, data in parser.close():
                         out += feed(event, data)
                     out += translator.finish()
+            except ShuttingDown:
+                out += translator.fail("gateway_shutting_down", "The gateway is shutting down; the stream was "
+                                       "ended after the drain period. Retry the request.")
             except httpx.ReadTimeout:
                 record.upstream_error = "idle_timeout"
                 out += translator.fail("stream_idle_timeout", f"No upstream event for "

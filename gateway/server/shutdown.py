@@ -1,12 +1,152 @@
-"""Running uvicorn until SIGTERM/SIGINT."""
+"""Graceful shutdown: SIGTERM -> not ready, stop accepting, drain, then end what is left, exit 0.
+
+Sequence on the first SIGTERM/SIGINT:
+
+1. ``Drain.begin()`` (from the signal handler: only flags are set there): ``/readyz`` answers 503
+   ``draining`` and new gateway requests on still-open connections get 503.
+2. uvicorn closes its listening sockets (no new connections) and asks keep-alive connections to close.
+3. In-flight streams get ``drain_timeout`` seconds to finish on their own.
+4. Then ``Drain.abort()`` cancels the upstream read of every stream still running; the pump catches
+   ``ShuttingDown`` and sends ``response.failed`` (code ``gateway_shutting_down``), so clients get a
+   well-formed end instead of a reset connection.
+5. Requests still running ``ABORT_GRACE`` seconds later (non-streamed ones waiting on the upstream) are
+   cancelled by uvicorn, the lifespan closes the upstream client and the store, and the process exits 0.
+
+A second signal forces an immediate exit (operators pressing Ctrl-C twice).
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import signal
+import threading
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Generator
+from types import FrameType
 from typing import Any
+
+import anyio
+import structlog
+import uvicorn
 
 from gateway.config import Settings
 
+log = structlog.get_logger("gateway.shutdown")
 
-def serve_until_stopped(server: Any, app: Any, settings: Settings) -> int:
+__all__ = ["ABORT_GRACE", "Drain", "DrainingServer", "ShuttingDown", "serve_until_stopped"]
+
+# Time the failed frames get to reach clients after the abort, before uvicorn cancels what is left.
+ABORT_GRACE = 5.0
+
+
+class ShuttingDown(Exception):
+    """Raised inside a stream's upstream read once the drain period is over."""
+
+
+class Drain:
+    def __init__(self) -> None:
+        self.draining = False
+        self.aborted = False
+        self._reads: set[anyio.CancelScope] = set()
+        self.on_abort: list[Callable[[], None]] = []  # once per stream ended by abort() (a metric)
+
+    @property
+    def active_reads(self) -> int:
+        return len(self._reads)
+
+    def begin(self) -> None:
+        """Safe to call from a signal handler: it only sets a flag."""
+        self.draining = True
+
+    def abort(self) -> None:
+        """End every stream still reading from the upstream (must run on the event loop)."""
+        self.draining = True
+        self.aborted = True
+        for scope in list(self._reads):
+            scope.cancel()
+
+    async def guard(self, chunks: AsyncIterable[bytes]) -> AsyncIterator[bytes]:
+        """``chunks``, but raising ``ShuttingDown`` once ``abort()`` ran, even while an upstream read is
+        pending (a model thinking for minutes must not hold the shutdown).
+
+        The cancel scope covers one read at a time and never spans a ``yield``, which is what anyio allows
+        inside an async generator.
+        """
+        iterator = chunks.__aiter__()
+        while True:
+            if self.aborted:
+                self._aborted_one()
+                raise ShuttingDown
+            with anyio.CancelScope() as scope:
+                self._reads.add(scope)
+                try:
+                    chunk = await iterator.__anext__()
+                except StopAsyncIteration:
+                    return
+                finally:
+                    self._reads.discard(scope)
+            if scope.cancelled_caught:
+                self._aborted_one()
+                raise ShuttingDown
+            yield chunk
+
+    def _aborted_one(self) -> None:
+        for callback in self.on_abort:
+            callback()
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, drain: Drain, drain_timeout: float) -> None:
+        super().__init__(config)
+        self.drain = drain
+        self.drain_timeout = drain_timeout
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        # uvicorn re-raises the captured signal after its shutdown, which would end the process with
+        # status 143 instead of 0; install the handlers without that step.
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        handled = (signal.SIGINT, signal.SIGTERM)
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.should_exit:
+            self.force_exit = True
+            return
+        self.drain.begin()
+        self.should_exit = True
+
+    async def shutdown(self, sockets: list[Any] | None = None) -> None:
+        self.drain.begin()
+        log.info("draining", drain_timeout_s=self.drain_timeout, streams=self.drain.active_reads)
+        timer = asyncio.create_task(self._abort_after(self.drain_timeout))
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await timer
+
+    async def _abort_after(self, delay: float) -> None:
+        await asyncio.sleep(delay)
+        if self.drain.active_reads:
+            log.warning("drain_timeout_reached", streams=self.drain.active_reads)
+        self.drain.abort()
+
+
+def serve_until_stopped(config: uvicorn.Config, drain: Drain, settings: Settings) -> int:
+    """Run until SIGTERM/SIGINT and a drained shutdown; the exit status for the process."""
+    config.timeout_graceful_shutdown = max(0.0, settings.drain_timeout) + ABORT_GRACE  # type: ignore[assignment]
+    server = DrainingServer(config, drain, max(0.0, settings.drain_timeout))
     server.run()
-    return 0
+    if server.started:
+        log.info("stopped")
+        return 0
+    return 1  # startup failed (port taken, lifespan error); uvicorn logged why

@@ -1,0 +1,142 @@
+"""Prometheus metrics, one registry per app (several apps in one test process must not collide).
+
+``METRICS`` is the single list of what is exported: the README table is generated from it and the
+collectors below are built from it, so the two cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from gateway.server.record import RequestRecord
+
+__all__ = ["CONTENT_TYPE_LATEST", "METRICS", "GatewayMetrics", "MetricSpec", "metrics_table"]
+
+PREFIX = "responses_gateway_"
+
+# Latency of LLM requests spans milliseconds (errors, cached prefixes) to many minutes (long generations).
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+TTFB_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60)
+# Bytes held for tool calls whose name has not arrived; the default cap is 256 KiB.
+HELD_BYTES_BUCKETS = (0, 256, 1024, 4096, 16384, 65536, 262144, 1048576)
+
+
+@dataclass(frozen=True, slots=True)
+class MetricSpec:
+    name: str  # without the _total suffix prometheus-client adds to counters
+    kind: str  # counter | gauge | histogram
+    labels: tuple[str, ...]
+    help: str
+
+    @property
+    def exported(self) -> str:
+        return self.name + "_total" if self.kind == "counter" else self.name
+
+
+METRICS: tuple[MetricSpec, ...] = (
+    MetricSpec(PREFIX + "requests", "counter", ("route", "status", "stream"),
+               "Requests answered, by route template, HTTP status and whether the client asked for a stream."),
+    MetricSpec(PREFIX + "request_duration_seconds", "histogram", ("route", "stream"),
+               "Time from request start to the last byte sent (streams: until the stream ended)."),
+    MetricSpec(PREFIX + "time_to_first_byte_seconds", "histogram", ("route", "stream"),
+               "Time from request start to the first response body byte (streams: first SSE frame)."),
+    MetricSpec(PREFIX + "active_streams", "gauge", (), "Client SSE streams in progress."),
+    MetricSpec(PREFIX + "in_flight_requests", "gauge", (),
+               "Requests counted against --max-concurrency (streams count until they end)."),
+    MetricSpec(PREFIX + "rejected_requests", "counter", ("reason",),
+               "Requests refused before reaching the upstream: unauthorized, concurrency, body_too_large, "
+               "draining."),
+    MetricSpec(PREFIX + "upstream_errors", "counter", ("kind",),
+               "Upstream failures: http_<status>, idle_timeout, stream_broken, upstream_unavailable, "
+               "upstream_timeout, upstream_error."),
+    MetricSpec(PREFIX + "tool_calls", "counter", ("kind",),
+               "Tool calls returned to clients, by kind (custom: translated back from a function call)."),
+    MetricSpec(PREFIX + "unnamed_call_held_bytes", "histogram", (),
+               "Peak bytes of frames held per streamed response for tool calls whose name had not arrived."),
+    MetricSpec(PREFIX + "unnamed_call_overflows", "counter", (),
+               "Streamed responses that exceeded --max-unnamed-call-bytes."),
+    MetricSpec(PREFIX + "client_disconnects", "counter", ("route",), "Clients that left before the response ended."),
+    MetricSpec(PREFIX + "tool_choice_enforcement", "counter", ("outcome",),
+               "tool_choice enforcement outcomes: pinned, picked, regenerated, violated."),
+    MetricSpec(PREFIX + "upstream_ready", "gauge", (), "1 when the last readiness probe of the upstream passed."),
+    MetricSpec(PREFIX + "streams_aborted_on_shutdown", "counter", (),
+               "Streams ended with response.failed (gateway_shutting_down) after the drain period."),
+)
+
+
+def metrics_table() -> str:
+    """The Markdown table for the README."""
+    rows = ["| metric | type | labels | meaning |", "| --- | --- | --- | --- |"]
+    for spec in METRICS:
+        labels = ", ".join(f"`{label}`" for label in spec.labels) or "—"
+        rows.append(f"| `{spec.exported}` | {spec.kind} | {labels} | {spec.help} |")
+    return "\n".join(rows)
+
+
+_BUCKETS = {
+    PREFIX + "request_duration_seconds": LATENCY_BUCKETS,
+    PREFIX + "time_to_first_byte_seconds": TTFB_BUCKETS,
+    PREFIX + "unnamed_call_held_bytes": HELD_BYTES_BUCKETS,
+}
+
+# Only these error codes of the gateway's own errors are upstream failures (the rest are client errors).
+_UPSTREAM_CODES = frozenset({"upstream_unavailable", "upstream_timeout", "upstream_error"})
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        built: dict[str, Counter | Gauge | Histogram] = {}
+        for spec in METRICS:
+            short = spec.name.removeprefix(PREFIX)
+            if spec.kind == "counter":
+                built[short] = Counter(spec.name, spec.help, spec.labels, registry=self.registry)
+            elif spec.kind == "gauge":
+                built[short] = Gauge(spec.name, spec.help, spec.labels, registry=self.registry)
+            else:
+                built[short] = Histogram(spec.name, spec.help, spec.labels, registry=self.registry,
+                                         buckets=_BUCKETS[spec.name])
+        self._m = built
+        self.requests: Counter = built["requests"]  # type: ignore[assignment]
+        self.duration: Histogram = built["request_duration_seconds"]  # type: ignore[assignment]
+        self.ttfb: Histogram = built["time_to_first_byte_seconds"]  # type: ignore[assignment]
+        self.active_streams: Gauge = built["active_streams"]  # type: ignore[assignment]
+        self.in_flight: Gauge = built["in_flight_requests"]  # type: ignore[assignment]
+        self.rejected: Counter = built["rejected_requests"]  # type: ignore[assignment]
+        self.upstream_errors: Counter = built["upstream_errors"]  # type: ignore[assignment]
+        self.tool_calls: Counter = built["tool_calls"]  # type: ignore[assignment]
+        self.held_bytes: Histogram = built["unnamed_call_held_bytes"]  # type: ignore[assignment]
+        self.overflows: Counter = built["unnamed_call_overflows"]  # type: ignore[assignment]
+        self.disconnects: Counter = built["client_disconnects"]  # type: ignore[assignment]
+        self.enforcement: Counter = built["tool_choice_enforcement"]  # type: ignore[assignment]
+        self.upstream_ready: Gauge = built["upstream_ready"]  # type: ignore[assignment]
+        self.aborted_on_shutdown: Counter = built["streams_aborted_on_shutdown"]  # type: ignore[assignment]
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def observe(self, record: RequestRecord) -> None:
+        """Called once per finished request (after a stream's last byte)."""
+        stream = "true" if record.stream else "false"
+        self.requests.labels(record.route, str(record.status), stream).inc()
+        if record.duration is not None:
+            self.duration.labels(record.route, stream).observe(record.duration)
+        if record.ttfb is not None:
+            self.ttfb.labels(record.route, stream).observe(record.ttfb)
+        kind = record.upstream_error or (record.error_code if record.error_code in _UPSTREAM_CODES else None)
+        if kind:
+            self.upstream_errors.labels(kind).inc()
+        for tool_kind, count in record.tool_calls.items():
+            if count:
+                self.tool_calls.labels(tool_kind).inc(count)
+        if record.stream and record.route == "/v1/responses" and 200 <= record.status < 300:
+            self.held_bytes.observe(record.held_bytes_peak)
+        if record.overflowed:
+            self.overflows.inc()
+        if record.disconnected:
+            self.disconnects.labels(record.route).inc()
+        for outcome in record.enforcement:
+            self.enforcement.labels(outcome).inc()
