@@ -268,6 +268,14 @@ SCENARIOS: list[Scenario] = [
     # ---- /v1/responses
     Scenario("text", "/v1/responses", _responses(input="Say hello.")),
     Scenario(
+        "text_completed",
+        "/v1/responses",
+        _responses(input="Say hello.", stop=["e"]),
+        note="a vLLM `stop` string ends the random text early, so the response completes (not cut off)",
+        want=lambda s: s.get("status") == "completed",
+        seeds=list(range(1, 30)),
+    ),
+    Scenario(
         "function_call",
         "/v1/responses",
         _responses(
