@@ -32,9 +32,9 @@ def _choose(body: dict[str, Any]) -> tuple[str, str | None]:
     items = body.get("input") if isinstance(body.get("input"), list) else []
     last = items[-1] if items else {}
     if isinstance(last, dict) and last.get("type") == "function_call_output":
-        return "continuation" + suffix, None
+        return "text_completed" + suffix, None
     if not tools or choice == "none":
-        return "text" + suffix, None
+        return "text_completed" + suffix, None
     target = None
     if isinstance(choice, dict) and choice.get("name"):
         target = next((t for t in tools if t.get("name") == choice["name"]), None)

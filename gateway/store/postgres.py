@@ -46,11 +46,21 @@ def _lock_key(schema: str) -> int:
     return int.from_bytes(digest[:8], "big", signed=True)
 
 
+# A JSON ``\u0000`` escape (not one preceded by an escaped backslash, which is literal text).
+_NUL_ESCAPE = re.compile(r"(?<!\\)((?:\\\\)*)\\u0000")
+
+
+def _encode_jsonb(value: object) -> str:
+    # JSONB cannot hold U+0000; store it as U+FFFD rather than fail the write of a whole response.
+    text = orjson.dumps(value).decode()
+    return _NUL_ESCAPE.sub(r"\1\\ufffd", text) if "\\u0000" in text else text
+
+
 async def _init_connection(conn: asyncpg.Connection) -> None:
     # orjson both ways: dicts go in and come out without the stdlib json module's cost.
     await conn.set_type_codec(
         "jsonb",
-        encoder=lambda value: orjson.dumps(value).decode(),
+        encoder=_encode_jsonb,
         decoder=orjson.loads,
         schema="pg_catalog",
         format="text",
