@@ -13,6 +13,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.config import Settings
+from gateway.enforce.constrain import ContentAsCall
+from gateway.enforce.runner import Enforcer, Guard, Plan, StepError, Violation, plan_for, violation_response
 from gateway.errors import GatewayError, InvalidRequest, NotFound
 from gateway.protocol.ids import new_id
 from gateway.protocol.request import parse_request_body
@@ -21,13 +23,17 @@ from gateway.server.http import OrjsonResponse, SseResponse, read_body
 from gateway.server.record import RequestRecord
 from gateway.server.shutdown import Drain, ShuttingDown
 from gateway.store import BrokenChainError, ResponseStore, StoredResponse
+from gateway.translate.chat import ChatToResponsesEvents, Event, build_chat_request
 from gateway.translate.restore import RequestState, build_request_state, restore_output, restore_response
 from gateway.translate.rewrite import build_upstream_request
 from gateway.translate.tool_context import resolve_tool_context
 from gateway.translate.translator import FunctionSseTranslator
+from gateway.upstream.chat import chat_completion_events, chat_event_batches, responses_event_batches
 from gateway.upstream.client import UpstreamClient, UpstreamResponse
 
 log = structlog.get_logger("gateway.responses")
+
+Persist = Callable[[dict[str, Any]], Awaitable[None]]
 
 __all__ = ["ResponsesHandler", "public_input_items"]
 
@@ -87,6 +93,14 @@ class ResponsesHandler:
         persist = self._persister(body, state) if self._should_store(body) else None
         headers = {k: v for k, v in request.headers.items()}
         extra = {"x-request-id": record.request_id}
+        plan = plan_for(ctx, self.settings.tool_choice_enforcement)
+        if self.settings.upstream_api != "responses" or plan.active:
+            enforcer = Enforcer(plan, self.upstream, self.settings, body, ctx, history, headers, record, extra)
+            try:
+                return await self._enforced(body, plan, enforcer, state, record, persist, history)
+            except StepError as exc:
+                record.upstream_error = f"http_{exc.status}"
+                return OrjsonResponse(exc.payload, status_code=exc.status)
         if record.stream:
             up = await self.upstream.send_json("/v1/responses", upstream_body, headers, stream=True,
                                                extra_headers=extra)
@@ -115,6 +129,168 @@ class ResponsesHandler:
         if persist is not None:
             await persist(final)
         return OrjsonResponse(final, headers={"x-request-id": record.request_id})
+
+    # ------------------------------------------------------------------ chat mode and enforcement
+
+    async def _enforced(self, body: dict[str, Any], plan: Plan, enforcer: Enforcer, state: RequestState,
+                        record: RequestRecord, persist: Persist | None, history: list[dict[str, Any]]) -> Response:
+        """Every path but the plain one: --upstream-api chat, a guarded answer, or a constrained call."""
+        guard = Guard(plan, state.ctx, enforcer) if plan.active else None
+        headers, extra = enforcer.headers, enforcer.extra_headers
+        model = body.get("model") if isinstance(body.get("model"), str) else None
+        if plan.constrain:
+            try:
+                info = await enforcer.choose_tool()
+            except Violation as exc:
+                return await self._violation(str(exc), state, record, persist)
+            if record.stream:
+                up = await enforcer.open_args_stream(info)
+                conv = self._converter(model)
+                conv.base_usage = enforcer.usage
+                batches = chat_event_batches(up, conv, ContentAsCall(info).feed)
+                return self._stream(batches, up, state, record, persist, guard)
+            final = self._translate_all(await enforcer.args_events(info, state), state)
+            return await self._finish(final, record, persist, guard)
+        chat = self.settings.upstream_api == "chat"
+        path = "/v1/chat/completions" if chat else "/v1/responses"
+        upstream_body = build_chat_request(body, state.ctx, history) if chat else \
+            build_upstream_request(body, state.ctx, history)
+        if record.stream:
+            up = await self.upstream.send_json(path, upstream_body, headers, stream=True, extra_headers=extra)
+            if not up.ok:
+                try:
+                    err = await up.error_body()
+                finally:
+                    await up.aclose()
+                record.upstream_error = f"http_{up.status_code}"
+                return OrjsonResponse(err, status_code=up.status_code)
+            batches = chat_event_batches(up, self._converter(model)) if chat else responses_event_batches(up)
+            return self._stream(batches, up, state, record, persist, guard)
+        status, payload = await self.upstream.post_json(path, upstream_body, headers)
+        if status >= 400:
+            record.upstream_error = f"http_{status}"
+            return OrjsonResponse(payload, status_code=status)
+        if not isinstance(payload, dict):
+            raise GatewayError("The upstream answered with an unexpected body.", status=502, type="server_error",
+                               code="upstream_error")
+        if chat:
+            final = self._translate_all(chat_completion_events(payload, self._converter(model)), state)
+        else:
+            final = restore_response(payload, state, output=restore_output(payload.get("output") or [], state))
+        return await self._finish(final, record, persist, guard)
+
+    def _converter(self, model: str | None) -> ChatToResponsesEvents:
+        return ChatToResponsesEvents(model=model, max_unnamed_bytes=self.settings.max_unnamed_call_bytes)
+
+    @staticmethod
+    def _translate_all(events: list[Event], state: RequestState) -> dict[str, Any]:
+        """A non-streamed answer through the same translator as a stream: one code path for both."""
+        translator = FunctionSseTranslator(state)
+        for event, data in events:
+            translator.feed(event, data)
+            if translator.finished:
+                break
+        translator.finish()
+        assert translator.final_response is not None
+        return translator.final_response
+
+    async def _finish(self, final: dict[str, Any], record: RequestRecord, persist: Persist | None,
+                      guard: Guard | None) -> Response:
+        if guard is not None:
+            final = await guard.settle(final)
+        _count_calls(record, final)
+        record.usage = final.get("usage") if isinstance(final.get("usage"), dict) else None
+        record.response_status = final.get("status")
+        if persist is not None:
+            await persist(final)
+        return OrjsonResponse(final, headers={"x-request-id": record.request_id})
+
+    async def _violation(self, message: str, state: RequestState, record: RequestRecord,
+                         persist: Persist | None) -> Response:
+        """No call could be made at all (the pick step failed): a failed response, streamed or not."""
+        translator = FunctionSseTranslator(state)
+        frames = translator.fail("tool_choice_violation", message)
+        final = translator.final_response or violation_response(restore_response(None, state, output=[]), message)
+        record.response_status = "failed"
+        if persist is not None:
+            await persist(final)
+        if not record.stream:
+            return OrjsonResponse(final, headers={"x-request-id": record.request_id})
+
+        async def once() -> AsyncIterator[bytes]:
+            yield b"".join(frames)
+
+        return SseResponse(once(), headers={"x-request-id": record.request_id},
+                           on_disconnect=lambda: _mark_disconnect(record))
+
+    def _stream(self, batches: AsyncIterator[list[Event]], up: UpstreamResponse, state: RequestState,
+                record: RequestRecord, persist: Persist | None, guard: Guard | None) -> Response:
+        translator = FunctionSseTranslator(state)
+        return SseResponse(self._pump_events(batches, up, translator, record, persist, guard),
+                           headers={"x-request-id": record.request_id},
+                           on_disconnect=lambda: _mark_disconnect(record))
+
+    async def _pump_events(self, batches: AsyncIterator[list[Event]], up: UpstreamResponse,
+                           translator: FunctionSseTranslator, record: RequestRecord, persist: Persist | None,
+                           guard: Guard | None) -> AsyncIterator[bytes]:
+        """``_pump`` for event batches (chat chunks already converted), with the guard in the loop.
+
+        The guard may hold a grammar call's events until it is checked, and it sees the last frames
+        (the terminal event) before the client does, so a violation becomes ``response.failed``.
+        """
+        feed = translator.feed
+        try:
+            out: list[bytes] = []
+            try:
+                async for events in batches:
+                    if guard is not None:
+                        events = await guard.filter(events)
+                    for event, data in events:
+                        out += feed(event, data)
+                        if translator.finished:
+                            break
+                    if translator.finished:
+                        break
+                    if out:
+                        if record.ttfb is None:
+                            record.ttfb = time.perf_counter() - record.started
+                        yield b"".join(out)
+                        out = []
+                else:
+                    out += translator.finish()
+            except httpx.ReadTimeout:
+                record.upstream_error = "idle_timeout"
+                out += translator.fail("stream_idle_timeout", f"No upstream event for "
+                                       f"{self.settings.stream_idle_timeout:g} seconds; the gateway ended the stream.")
+            except httpx.HTTPError as exc:
+                record.upstream_error = "stream_broken"
+                out += translator.fail("upstream_connection_error",
+                                       f"The upstream connection broke mid-stream ({type(exc).__name__}).")
+            except StepError as exc:  # a regeneration step's upstream error: the answer so far, then failed
+                record.upstream_error = f"http_{exc.status}"
+                out += translator.fail("upstream_error", "An enforcement step's upstream request failed.")
+            final = translator.final_response
+            if guard is not None:
+                out, final = guard.end(out, final)
+                translator.final_response = final
+            if final is not None:
+                record.response_status = final.get("status")
+                record.usage = final.get("usage") if isinstance(final.get("usage"), dict) else None
+                if persist is not None:
+                    await persist(final)
+            if out:
+                if record.ttfb is None:
+                    record.ttfb = time.perf_counter() - record.started
+                yield b"".join(out)
+        finally:
+            aclose = getattr(batches, "aclose", None)
+            if aclose is not None:
+                await aclose()
+            await up.aclose()
+            stats = translator.stats
+            record.tool_calls = {"custom": stats.custom_calls, "function": stats.function_calls}
+            record.held_bytes_peak = stats.held_bytes_peak
+            record.overflowed = stats.overflowed
 
     def _should_store(self, body: dict[str, Any]) -> bool:
         return self.store is not None and body.get("store", True) is not False

@@ -1,0 +1,159 @@
+"""The constrained steps as chat requests, and their answers as tool-call chunks. Pure; no I/O.
+
+A pinned call is generated in up to two steps on ``/v1/chat/completions``:
+
+* *pick* (several allowed tools): ``structured_outputs: {"choice": [names]}``, the prompt listing each
+  tool's name and description; the answer is one upstream tool name;
+* *arguments*: the content of the call under the tool's own constraint: ``{"json": parameters}`` for a
+  function, ``{"grammar": lark}`` / ``{"regex": ...}`` for a grammar custom tool, free text for a text
+  custom tool.
+
+``ContentAsCall`` rewrites the arguments step's chunks (``delta.content``) into ``delta.tool_calls``
+chunks of one call, so ``ChatToResponsesEvents`` and the core translator present it exactly like a call
+the model made itself: for a custom tool the content is wrapped as the JSON ``{"input": "..."}`` the
+translator decodes into ``custom_tool_call_input`` deltas.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import orjson
+
+from gateway.protocol.ids import new_id
+from gateway.translate.tool_context import ToolInfo
+
+__all__ = ["ContentAsCall", "args_request", "constraint_for", "pick_request"]
+
+PICK_MAX_TOKENS = 32
+_ANY_OBJECT: dict[str, Any] = {"type": "object"}
+
+
+def constraint_for(info: ToolInfo) -> dict[str, Any] | None:
+    """The ``structured_outputs`` value that makes any answer a valid call content; None for free text."""
+    if info.kind == "function":
+        params = info.definition.get("parameters")
+        return {"json": params if isinstance(params, dict) and params else _ANY_OBJECT}
+    grammar = info.grammar
+    if grammar is None:
+        return None
+    syntax, definition = grammar
+    return {"regex": definition} if syntax == "regex" else {"grammar": definition}
+
+
+def _describe(info: ToolInfo) -> str:
+    desc = str(info.definition.get("description") or "").strip()
+    return f"{info.upstream_name}: {desc}" if desc else info.upstream_name
+
+
+def _with_instruction(messages: Sequence[Mapping[str, Any]], instruction: str) -> list[dict[str, Any]]:
+    """The conversation plus the step's instruction as the last user turn.
+
+    Appended to a trailing user message when there is one, so templates that insist on alternating
+    roles still render; otherwise a new user message.
+    """
+    out = [dict(m) for m in copy.deepcopy(list(messages))]
+    if out and out[-1].get("role") == "user" and isinstance(out[-1].get("content"), str):
+        out[-1]["content"] = f"{out[-1]['content']}\n\n{instruction}"
+    else:
+        out.append({"role": "user", "content": instruction})
+    return out
+
+
+def _base(chat_body: Mapping[str, Any]) -> dict[str, Any]:
+    keep = ("model", "temperature", "top_p", "seed", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+            "frequency_penalty", "user", "chat_template_kwargs")
+    return {k: chat_body[k] for k in keep if k in chat_body}
+
+
+def pick_request(chat_body: Mapping[str, Any], tools: Sequence[ToolInfo]) -> dict[str, Any]:
+    listing = "\n".join(f"- {_describe(t)}" for t in tools)
+    instruction = ("You must call exactly one of these tools next. Answer with the name of the tool to call, "
+                   f"and nothing else.\nTools:\n{listing}")
+    body = _base(chat_body)
+    body.update(messages=_with_instruction(chat_body["messages"], instruction),
+                structured_outputs={"choice": [t.upstream_name for t in tools]}, max_tokens=PICK_MAX_TOKENS)
+    return body
+
+
+def args_request(chat_body: Mapping[str, Any], info: ToolInfo, *, stream: bool,
+                 max_tokens: int | None = None) -> dict[str, Any]:
+    constraint = constraint_for(info)
+    desc = str(info.definition.get("description") or "").strip()
+    head = f"You are calling the tool `{info.upstream_name}` now." + (f" Its description: {desc}" if desc else "")
+    if info.kind == "function":
+        schema = orjson.dumps(constraint["json"] if constraint else _ANY_OBJECT).decode()
+        what = f"Write only the call's arguments: one JSON object matching this JSON Schema:\n{schema}"
+    elif info.grammar is not None:
+        syntax, definition = info.grammar
+        kind = "regular expression" if syntax == "regex" else "Lark grammar"
+        what = f"Write only the tool's raw input (not JSON); it must match this {kind}:\n{definition}"
+    else:
+        what = "Write only the tool's raw free-form input (not JSON)."
+    body = _base(chat_body)
+    body["messages"] = _with_instruction(chat_body["messages"], f"{head}\n{what}")
+    if constraint is not None:
+        body["structured_outputs"] = constraint
+    if max_tokens is not None:
+        body["max_tokens"] = max_tokens
+    if stream:
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+class ContentAsCall:
+    """Chunks of the arguments step -> chunks of one tool call (``tool_calls[0]``) with the same text."""
+
+    def __init__(self, info: ToolInfo, call_id: str | None = None) -> None:
+        self.info = info
+        self.call_id = call_id or new_id("call")
+        self.custom = info.kind == "custom"
+        self.content: list[str] = []
+        self._opened = False
+        self._closed = False
+
+    def _open(self) -> list[dict[str, Any]]:
+        if self._opened:
+            return []
+        self._opened = True
+        calls: list[dict[str, Any]] = [{"index": 0, "id": self.call_id, "type": "function",
+                                        "function": {"name": self.info.upstream_name}}]
+        if self.custom:
+            calls.append({"index": 0, "function": {"arguments": '{"input": "'}})
+        return calls
+
+    def feed(self, chunk: Mapping[str, Any]) -> dict[str, Any]:
+        out = {k: v for k, v in chunk.items() if k != "choices"}
+        choices = []
+        for choice in chunk.get("choices") or ():
+            if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+                continue
+            delta = dict(choice.get("delta") or {})
+            content = delta.pop("content", None)
+            delta.pop("tool_calls", None)
+            calls: list[dict[str, Any]] = []
+            if isinstance(content, str) and content:
+                calls += self._open()
+                self.content.append(content)
+                piece = orjson.dumps(content).decode()[1:-1] if self.custom else content
+                calls.append({"index": 0, "function": {"arguments": piece}})
+            finish = choice.get("finish_reason")
+            if finish:
+                calls += self._open()
+                if self.custom and not self._closed:
+                    self._closed = True
+                    calls.append({"index": 0, "function": {"arguments": '"}'}})
+                # A named call ends as vLLM's named tool_choice does; a cut-off stays "length".
+                finish = "length" if finish == "length" else "stop"
+            if calls:
+                delta["tool_calls"] = calls
+            choices.append({**choice, "delta": delta, "finish_reason": finish})
+        out["choices"] = choices
+        return out
+
+    @property
+    def text(self) -> str:
+        return "".join(self.content)

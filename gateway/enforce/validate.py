@@ -1,0 +1,213 @@
+"""Does a call satisfy its tool? JSON Schema for functions, Lark or a regex for grammar custom tools. Pure.
+
+``check_call`` answers one call; ``check_pinned_output`` answers a whole output against ``tool_choice``
+(``required``, a named tool, ``allowed_tools`` required): at least one call, every call of an allowed
+tool, every call valid.
+
+Lark: Python's ``lark`` refuses terminals that can match the empty string (``/[^\\n]*/``), which vLLM's
+grammar backends accept. ``load_lark`` rewrites such a rule-level terminal ``/X*/`` into the equivalent
+``/X+/?`` and retries; a grammar it still cannot load is reported as unchecked (never as a violation:
+the gateway does not blame the model for its own parser's limits).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jsonschema
+import lark
+import orjson
+
+from gateway.translate.tool_context import ResolvedToolContext, ToolInfo
+
+__all__ = ["CallCheck", "LarkChecker", "OutputCheck", "check_call", "check_input", "check_pinned_output",
+           "load_lark"]
+
+# A Lark regex literal: /.../flags, with escaped slashes inside.
+_LARK_REGEX = re.compile(r"/((?:\\.|[^/\\\n])+)/([imslux]*)")
+# One atom followed by `*`: a class, an escape, `.`, or a group without nested groups.
+_STAR_ATOM = re.compile(r"^(\[(?:\\.|[^\]\\])+\]|\\.|\.|\((?:\\.|[^()\\])*\)|[^\\()\[\]*+?{}|])\*$")
+
+
+@dataclass(frozen=True, slots=True)
+class LarkChecker:
+    parser: lark.Lark | None
+    rewritten: bool = False
+    error: str | None = None  # why the grammar could not be loaded (then parser is None)
+
+    def check(self, text: str) -> str | None:
+        """None if ``text`` parses; otherwise a short reason."""
+        if self.parser is None:
+            return None
+        try:
+            self.parser.parse(text)
+        except lark.exceptions.LarkError as exc:
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            return f"does not match the Lark grammar ({type(exc).__name__}: {first[:160]})"
+        return None
+
+
+def _non_empty(pattern: str) -> str | None:
+    """``X*`` (or ``(X*)``) -> ``X+``: the same language less the empty string; None if not of that shape."""
+    inner = pattern
+    while inner.startswith("(") and inner.endswith(")") and _balanced(inner[1:-1]):
+        inner = inner[1:-1]
+        if inner.startswith("?:"):
+            inner = inner[2:]
+    m = _STAR_ATOM.match(inner)
+    return m.group(1) + "+" if m else None
+
+
+def _balanced(s: str) -> bool:
+    depth = 0
+    escaped = False
+    for ch in s:
+        if escaped:
+            escaped = False
+        elif ch == "\\":
+            escaped = True
+        elif ch == "(":
+            depth += 1
+        elif ch == ")":
+            depth -= 1
+            if depth < 0:
+                return False
+    return depth == 0
+
+
+def _rewrite_zero_width(grammar: str) -> str:
+    out_lines = []
+    for line in grammar.splitlines(keepends=True):
+        head = line.split(":", 1)[0].strip().lstrip("?!")
+        is_terminal_def = ":" in line and head.isupper()
+
+        def fix(m: re.Match[str], is_terminal_def: bool = is_terminal_def) -> str:
+            pattern, flags = m.group(1), m.group(2)
+            try:
+                empty = re.fullmatch(pattern.replace("\\/", "/"), "") is not None
+            except re.error:
+                return m.group(0)
+            if not empty or is_terminal_def:
+                return m.group(0)
+            plus = _non_empty(pattern)
+            return f"/{plus}/{flags}?" if plus else m.group(0)
+
+        out_lines.append(_LARK_REGEX.sub(fix, line))
+    return "".join(out_lines)
+
+
+@functools.lru_cache(maxsize=64)
+def load_lark(definition: str) -> LarkChecker:
+    try:
+        return LarkChecker(lark.Lark(definition, parser="earley"))
+    except lark.exceptions.LarkError as exc:
+        first_error = f"{type(exc).__name__}: {str(exc).strip()[:200]}"
+    rewritten = _rewrite_zero_width(definition)
+    if rewritten != definition:
+        try:
+            return LarkChecker(lark.Lark(rewritten, parser="earley"), rewritten=True)
+        except lark.exceptions.LarkError as exc:
+            first_error = f"{type(exc).__name__}: {str(exc).strip()[:200]}"
+    return LarkChecker(None, error=f"the Python lark package cannot load this grammar ({first_error})")
+
+
+@functools.lru_cache(maxsize=64)
+def _regex(definition: str) -> re.Pattern[str] | None:
+    try:
+        return re.compile(definition)
+    except re.error:
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class CallCheck:
+    ok: bool
+    reason: str | None = None
+    unchecked: str | None = None  # set when the tool's constraint could not be evaluated here
+
+
+def check_input(info: ToolInfo, value: str) -> CallCheck:
+    """A custom tool's raw input against its format."""
+    grammar = info.grammar
+    if grammar is None:
+        return CallCheck(True)
+    syntax, definition = grammar
+    if syntax == "regex":
+        rx = _regex(definition)
+        if rx is None:
+            return CallCheck(True, unchecked="the tool's regex does not compile in Python")
+        if rx.fullmatch(value) is None:
+            return CallCheck(False, f"input of '{info.name}' does not fully match its regex")
+        return CallCheck(True)
+    checker = load_lark(definition)
+    if checker.parser is None:
+        return CallCheck(True, unchecked=checker.error)
+    reason = checker.check(value)
+    return CallCheck(reason is None, f"input of '{info.name}' {reason}" if reason else None)
+
+
+def check_arguments(info: ToolInfo, arguments: str) -> CallCheck:
+    """A function call's arguments: strict JSON (no NaN/Infinity), an object, valid against the schema."""
+    try:
+        value = orjson.loads(arguments)
+    except orjson.JSONDecodeError:
+        return CallCheck(False, f"arguments of '{info.name}' are not valid JSON")
+    if not isinstance(value, dict):
+        return CallCheck(False, f"arguments of '{info.name}' are not a JSON object")
+    schema = info.definition.get("parameters")
+    if not isinstance(schema, dict):
+        return CallCheck(True)
+    try:
+        validator_cls = jsonschema.validators.validator_for(schema)
+        validator_cls.check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        return CallCheck(True, unchecked=f"the parameters schema is invalid ({exc.message[:120]})")
+    error = jsonschema.exceptions.best_match(validator_cls(schema).iter_errors(value))
+    if error is not None:
+        where = "/".join(str(p) for p in error.absolute_path) or "(root)"
+        return CallCheck(False, f"arguments of '{info.name}' do not match its schema at {where}: {error.message[:160]}")
+    return CallCheck(True)
+
+
+def check_call(item: Mapping[str, Any], ctx: ResolvedToolContext) -> tuple[ToolInfo | None, CallCheck]:
+    """One client output item (function_call or custom_tool_call) against its declared tool."""
+    info = ctx.find(str(item.get("name")), item.get("namespace"))
+    if info is None:
+        return None, CallCheck(False, f"'{item.get('name')}' is not a declared tool")
+    if item.get("type") == "custom_tool_call":
+        if info.kind != "custom":
+            return info, CallCheck(False, f"'{info.name}' is not a custom tool")
+        return info, check_input(info, str(item.get("input", "")))
+    if info.kind != "function":
+        return info, CallCheck(False, f"'{info.name}' is a custom tool but came back as a function call")
+    return info, check_arguments(info, str(item.get("arguments", "")))
+
+
+@dataclass(frozen=True, slots=True)
+class OutputCheck:
+    ok: bool
+    reason: str | None = None
+    unchecked: tuple[str, ...] = ()
+
+
+def check_pinned_output(output: Sequence[Any], ctx: ResolvedToolContext, status: str | None = None) -> OutputCheck:
+    """The output of a request whose ``tool_choice`` demands a call from ``ctx.pinned_tools``."""
+    pinned = {(i.name, i.namespace) for i in ctx.pinned_tools}
+    calls = [i for i in output if isinstance(i, dict) and i.get("type") in ("function_call", "custom_tool_call")]
+    cut = " (the upstream stopped at its token limit)" if status == "incomplete" else ""
+    if not calls:
+        return OutputCheck(False, f"tool_choice requires a tool call, but the upstream answered without one{cut}.")
+    unchecked: list[str] = []
+    for item in calls:
+        if (item.get("name"), item.get("namespace")) not in pinned:
+            return OutputCheck(False, f"the upstream called '{item.get('name')}', which tool_choice does not allow.")
+        _, verdict = check_call(item, ctx)
+        if not verdict.ok:
+            return OutputCheck(False, f"{verdict.reason}{cut}.")
+        if verdict.unchecked:
+            unchecked.append(verdict.unchecked)
+    return OutputCheck(True, unchecked=tuple(unchecked))

@@ -1,0 +1,74 @@
+"""Upstream bodies as batches of upstream-style Responses events (one batch per upstream chunk).
+
+The server's pump reads these batches whichever API answered: vLLM's /v1/responses SSE (events as sent)
+or /v1/chat/completions SSE (chunks converted by ``ChatToResponsesEvents``, optionally rewritten first,
+e.g. a constrained step's content turned into a call by ``ContentAsCall``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from typing import Any
+
+import orjson
+
+from gateway.protocol.sse import SseParser
+from gateway.translate.chat import ChatToResponsesEvents, Event, completion_to_chunks
+from gateway.upstream.client import UpstreamResponse
+
+__all__ = ["chat_completion_events", "chat_event_batches", "responses_event_batches"]
+
+ChunkRewrite = Callable[[Mapping[str, Any]], Mapping[str, Any]]
+
+
+async def responses_event_batches(up: UpstreamResponse) -> AsyncIterator[list[Event]]:
+    parser = SseParser()
+    async for chunk in up.response.aiter_bytes():
+        events = parser.feed(chunk)
+        if events:
+            yield events
+    tail = parser.close()
+    if tail:
+        yield tail
+
+
+def _chunk_events(data: str, conv: ChatToResponsesEvents, rewrite: ChunkRewrite | None) -> list[Event]:
+    if data.strip() == "[DONE]":
+        return conv.done()
+    try:
+        chunk = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        conv.finished = True
+        return [("error", '{"type":"error","code":"upstream_malformed_event","message":"The upstream sent a chunk '
+                          'that is not valid JSON."}')]
+    if not isinstance(chunk, dict):
+        return []
+    return conv.feed(rewrite(chunk) if rewrite is not None and "error" not in chunk else chunk)
+
+
+async def chat_event_batches(up: UpstreamResponse, conv: ChatToResponsesEvents,
+                             rewrite: ChunkRewrite | None = None) -> AsyncIterator[list[Event]]:
+    """Chat SSE (``data:`` lines only, ``[DONE]`` at the end) -> Responses event batches."""
+    parser = SseParser()
+    async for raw in up.response.aiter_bytes():
+        out: list[Event] = []
+        for _event, data in parser.feed(raw):
+            out += _chunk_events(data, conv, rewrite)
+        if out:
+            yield out
+    out = []
+    for _event, data in parser.close():
+        out += _chunk_events(data, conv, rewrite)
+    out += conv.done()  # no [DONE]: still ends if a finish_reason came; otherwise the translator fails it
+    if out:
+        yield out
+
+
+def chat_completion_events(payload: Mapping[str, Any], conv: ChatToResponsesEvents,
+                           rewrite: ChunkRewrite | None = None) -> list[Event]:
+    """A non-streamed chat completion -> the same event sequence a stream would give."""
+    chunks: Iterable[Mapping[str, Any]] = completion_to_chunks(payload)
+    out: list[Event] = []
+    for chunk in chunks:
+        out += conv.feed(rewrite(chunk) if rewrite is not None else chunk)
+    return out + conv.done()
