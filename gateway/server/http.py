@@ -63,20 +63,23 @@ class SseResponse(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         disconnected = False
+        body_done = False  # a client closing after the last frame is a normal end, not a disconnect
 
         async def watch(scope_: anyio.CancelScope) -> None:
             nonlocal disconnected
             while True:
                 message = await receive()
                 if message["type"] == "http.disconnect":
-                    disconnected = True
+                    disconnected = not body_done
                     scope_.cancel()
                     return
 
         async def stream(scope_: anyio.CancelScope) -> None:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            nonlocal body_done
             async for chunk in self.body_iterator:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            body_done = True
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             scope_.cancel()
 
@@ -85,7 +88,7 @@ class SseResponse(Response):
                 tg.start_soon(watch, tg.cancel_scope)
                 await stream(tg.cancel_scope)
         except OSError:
-            disconnected = True
+            disconnected = not body_done
         finally:
             aclose = getattr(self.body_iterator, "aclose", None)
             if aclose is not None:
