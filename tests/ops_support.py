@@ -44,6 +44,8 @@ class FakeVllm:
 
     stream_name: str = "text_stream"
     json_name: str = "text_nonstream"
+    chat_stream_name: str = "chat_text_stream"
+    chat_json_name: str = "chat_text_nonstream"
     health: int | str = 200
     frame_delay: float = 0.0
     stall_after: int | None = None
@@ -73,10 +75,12 @@ class FakeVllm:
         async def responses(request: Request) -> Response:
             body = await request.json()
             self.requests.append({"headers": dict(request.headers), "body": body})
+            chat = request.url.path.endswith("/chat/completions")
             if not body.get("stream"):
                 await self._sleep(self.json_delay)
-                return Response(cassette_json(self.json_name), media_type="application/json")
-            frames = cassette_frames(self.stream_name)
+                return Response(cassette_json(self.chat_json_name if chat else self.json_name),
+                                media_type="application/json")
+            frames = cassette_frames(self.chat_stream_name if chat else self.stream_name)
 
             async def gen() -> AsyncIterator[bytes]:
                 for n, frame in enumerate(frames):
@@ -95,6 +99,7 @@ class FakeVllm:
         return Starlette(routes=[
             Route("/health", health), Route("/metrics", metrics), Route("/v1/models", models, methods=["GET", "POST"]),
             Route("/v1/responses", responses, methods=["POST"]),
+            Route("/v1/chat/completions", responses, methods=["POST"]),
         ])
 
 

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import httpx
+import pytest
 
 from tests.ops_support import FakeVllm, fake_vllm, wait_for
 from tests.support import ROOT, free_port, sse_events
@@ -96,9 +97,11 @@ def test_sigterm_lets_an_in_flight_stream_finish_then_exits_0() -> None:
     assert '"event": "draining"' in stderr and "drain_timeout_reached" not in stderr
 
 
-def test_streams_still_running_after_the_drain_end_with_response_failed_and_exit_is_0() -> None:
+@pytest.mark.parametrize("upstream_api", ["responses", "chat"])
+def test_streams_still_running_after_the_drain_end_with_response_failed_and_exit_is_0(upstream_api: str) -> None:
     fake = FakeVllm(stall_after=5, stall_for=60)  # the model "thinks" far longer than the drain
-    with fake_vllm(fake) as (up, _), gateway_process(up, GATEWAY_DRAIN_TIMEOUT="0.5") as (url, proc):
+    with fake_vllm(fake) as (up, _), gateway_process(up, GATEWAY_DRAIN_TIMEOUT="0.5",
+                                                     GATEWAY_UPSTREAM_API=upstream_api) as (url, proc):
         reader = StreamReader(url, STREAM)
         reader.start()
         assert reader.first.wait(10)
@@ -107,6 +110,7 @@ def test_streams_still_running_after_the_drain_end_with_response_failed_and_exit
         assert not reader.is_alive() and reader.error is None
         assert proc.wait(20) == 0
         stderr = proc.stderr.read().decode() if proc.stderr else ""
+    assert fake.requests[0]["body"].get("messages" if upstream_api == "chat" else "input")
     events = sse_events(reader.raw)
     final = events[-1]
     assert final["type"] == "response.failed"

@@ -242,7 +242,7 @@ class ResponsesHandler:
         try:
             out: list[bytes] = []
             try:
-                async for events in batches:
+                async for events in (self.drain.guard(batches) if self.drain is not None else batches):
                     if guard is not None:
                         events = await guard.filter(events)
                     for event, data in events:
@@ -258,6 +258,9 @@ class ResponsesHandler:
                         out = []
                 else:
                     out += translator.finish()
+            except ShuttingDown:
+                out += translator.fail("gateway_shutting_down", "The gateway is shutting down; the stream was "
+                                       "ended after the drain period. Retry the request.")
             except httpx.ReadTimeout:
                 record.upstream_error = "idle_timeout"
                 out += translator.fail("stream_idle_timeout", f"No upstream event for "

@@ -23,7 +23,7 @@ import signal
 import threading
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Generator
 from types import FrameType
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import structlog
@@ -34,6 +34,8 @@ from gateway.config import Settings
 log = structlog.get_logger("gateway.shutdown")
 
 __all__ = ["ABORT_GRACE", "Drain", "DrainingServer", "ShuttingDown", "serve_until_stopped"]
+
+T = TypeVar("T")
 
 # Time the failed frames get to reach clients after the abort, before uvicorn cancels what is left.
 ABORT_GRACE = 5.0
@@ -65,9 +67,9 @@ class Drain:
         for scope in list(self._reads):
             scope.cancel()
 
-    async def guard(self, chunks: AsyncIterable[bytes]) -> AsyncIterator[bytes]:
-        """``chunks``, but raising ``ShuttingDown`` once ``abort()`` ran, even while an upstream read is
-        pending (a model thinking for minutes must not hold the shutdown).
+    async def guard(self, chunks: AsyncIterable[T]) -> AsyncIterator[T]:
+        """``chunks`` (upstream bytes or event batches), but raising ``ShuttingDown`` once ``abort()`` ran,
+        even while an upstream read is pending (a model thinking for minutes must not hold the shutdown).
 
         The cancel scope covers one read at a time and never spans a ``yield``, which is what anyio allows
         inside an async generator.
