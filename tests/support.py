@@ -60,7 +60,9 @@ def running_gateway(settings: Settings | None = None, *, transport: httpx.AsyncB
                     store: ResponseStore | str | None = None, **overrides: Any) -> Iterator[str]:
     """A real uvicorn server on loopback, in a thread; yields its base URL (``http://127.0.0.1:PORT``)."""
     port = free_port()
-    base = settings or Settings(upstream_url="http://upstream.test", store="none")
+    # Replayed /v1/responses cassettes are the core path: enforcement (default constrain, which talks to
+    # /v1/chat/completions for pinned calls) is opted into by the tests that exercise it.
+    base = settings or Settings(upstream_url="http://upstream.test", store="none", tool_choice_enforcement="off")
     settings = base.with_overrides(host="127.0.0.1", port=port, **overrides)
     app = create_app(settings, transport=transport, store=store)
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None, access_log=False, lifespan="on")
