@@ -49,8 +49,13 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "demo":
         folder = tempfile.mkdtemp(prefix="responses-gateway-demo-")
+        overrides = {}
+        if not os.environ.get("GATEWAY_TOOL_CHOICE_ENFORCEMENT"):
+            # The recordings are vLLM /v1/responses answers; constrained generation would ask /v1/chat/completions
+            # for answers that were never recorded.
+            overrides["tool_choice_enforcement"] = "off"
         settings = load_settings(args, upstream_url="http://demo-upstream.invalid",
-                                 store=f"sqlite:///{os.path.join(folder, 'responses.db')}")
+                                 store=f"sqlite:///{os.path.join(folder, 'responses.db')}", **overrides)
         print(f"responses-gateway demo: http://{settings.host}:{settings.port}/v1 (replaying recorded vLLM "
               f"answers; store in {folder})", file=sys.stderr)
         return run(settings, demo=True)

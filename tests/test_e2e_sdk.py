@@ -29,7 +29,7 @@ def client(url: str, **kw: object) -> openai.OpenAI:
 
 def test_strict_stream_helper_accepts_a_custom_tool_call_and_the_final_response_has_it() -> None:
     transport = replay("custom_tool_call_strict_stream")
-    with running_gateway(transport=transport) as url:
+    with running_gateway(tool_choice_enforcement="off", transport=transport) as url:
         with client(url).responses.stream(model="tiny", input="patch", tools=[APPLY_PATCH],
                                            tool_choice={"type": "custom", "name": "apply_patch"},
                                            metadata={"run": "7"}) as stream:
@@ -48,7 +48,7 @@ def test_strict_stream_helper_accepts_a_custom_tool_call_and_the_final_response_
 
 
 def test_non_streamed_custom_tool_call_round_trip() -> None:
-    with running_gateway(transport=replay("custom_tool_call_strict_nonstream")) as url:
+    with running_gateway(tool_choice_enforcement="off", transport=replay("custom_tool_call_strict_nonstream")) as url:
         resp = client(url).responses.create(model="tiny", input="patch", tools=[APPLY_PATCH],
                                             tool_choice={"type": "custom", "name": "apply_patch"})
     [call] = resp.output
@@ -57,7 +57,7 @@ def test_non_streamed_custom_tool_call_round_trip() -> None:
 
 
 def test_raw_stream_with_function_call_passes_through_as_a_function_call() -> None:
-    with running_gateway(transport=replay("function_call_stream")) as url:
+    with running_gateway(tool_choice_enforcement="off", transport=replay("function_call_stream")) as url:
         events = [e.model_dump() for e in client(url).responses.create(
             model="tiny", input="weather?", tools=[WEATHER], tool_choice="required", stream=True)]
     summary = check_stream(events)
@@ -68,7 +68,7 @@ def test_raw_stream_with_function_call_passes_through_as_a_function_call() -> No
 
 
 def test_text_stream_and_get_final_response() -> None:
-    with running_gateway(transport=replay("text_stream")) as url:
+    with running_gateway(tool_choice_enforcement="off", transport=replay("text_stream")) as url:
         with client(url).responses.stream(model="tiny", input="hi") as stream:
             for _ in stream:
                 pass
@@ -78,7 +78,7 @@ def test_text_stream_and_get_final_response() -> None:
 
 
 def test_two_calls_through_the_strict_helper() -> None:
-    with running_gateway(transport=replay("interleaved_three_calls_stream")) as url:
+    with running_gateway(tool_choice_enforcement="off", transport=replay("interleaved_three_calls_stream")) as url:
         with client(url).responses.stream(model="tiny", input="x", tools=[APPLY_PATCH, WEATHER,
                                           {**WEATHER, "name": "get_time"}]) as stream:
             for _ in stream:
@@ -91,7 +91,7 @@ def test_two_calls_through_the_strict_helper() -> None:
 @pytest.mark.parametrize("name,status", [("error_unknown_model_stream", 404), ("error_unknown_model_nonstream", 404),
                                          ("error_bad_tool_type_stream", 400), ("error_bad_tool_type_nonstream", 400)])
 def test_upstream_errors_before_the_stream_keep_their_status_in_openai_shape(name: str, status: int) -> None:
-    with running_gateway(transport=replay(name)) as url:
+    with running_gateway(tool_choice_enforcement="off", transport=replay(name)) as url:
         r = httpx.post(url + "/v1/responses", json={"model": "x", "input": "hi", "stream": name.endswith("_stream"),
                                                     "tools": [{"type": "frobnicate"}]})
     assert r.status_code == status
@@ -112,7 +112,7 @@ def test_upstream_errors_before_the_stream_keep_their_status_in_openai_shape(nam
 ])
 def test_bad_input_is_a_400_in_openai_shape(body: bytes, param: str | None) -> None:
     transport = replay("text_nonstream")
-    with running_gateway(transport=transport) as url:
+    with running_gateway(tool_choice_enforcement="off", transport=transport) as url:
         r = httpx.post(url + "/v1/responses", content=body, headers={"content-type": "application/json"})
     assert r.status_code == 400, r.text
     err = r.json()["error"]
@@ -121,7 +121,7 @@ def test_bad_input_is_a_400_in_openai_shape(body: bytes, param: str | None) -> N
 
 
 def test_oversized_body_is_a_413_even_without_content_length() -> None:
-    with running_gateway(transport=replay("text_nonstream"), max_body_bytes=1000) as url:
+    with running_gateway(tool_choice_enforcement="off", transport=replay("text_nonstream"), max_body_bytes=1000) as url:
         big = json.dumps({"model": "tiny", "input": "x" * 5000}).encode()
         r1 = httpx.post(url + "/v1/responses", content=big)
 
@@ -166,7 +166,7 @@ def _partial_stream() -> list[bytes]:
 
 def test_client_disconnect_closes_the_upstream_request_at_once() -> None:
     upstream = _Stream(_partial_stream(), then="hang")
-    with running_gateway(transport=_Upstream(upstream)) as url:
+    with running_gateway(tool_choice_enforcement="off", transport=_Upstream(upstream)) as url:
         with httpx.Client(timeout=10) as http, http.stream(
                 "POST", url + "/v1/responses",
                 json={"model": "tiny", "input": "x", "stream": True, "tools": [APPLY_PATCH]}) as r:
@@ -179,7 +179,7 @@ def test_client_disconnect_closes_the_upstream_request_at_once() -> None:
 
 def test_broken_upstream_ends_the_client_stream_with_response_failed() -> None:
     upstream = _Stream(_partial_stream(), then="break")
-    with running_gateway(transport=_Upstream(upstream)) as url:
+    with running_gateway(tool_choice_enforcement="off", transport=_Upstream(upstream)) as url:
         r = httpx.post(url + "/v1/responses", json={"model": "tiny", "input": "x", "stream": True,
                                                     "tools": [APPLY_PATCH]}, timeout=10)
     events = sse_events(r.content)
@@ -199,7 +199,7 @@ def test_unreachable_upstream_is_a_502_in_openai_shape() -> None:
 
 def test_other_paths_are_proxied_unchanged_and_streams_stream_through() -> None:
     transport = replay("chat_text_stream")
-    with running_gateway(transport=transport, upstream_api_key="sk-upstream") as url:
+    with running_gateway(tool_choice_enforcement="off", transport=transport, upstream_api_key="sk-upstream") as url:
         r = httpx.post(url + "/v1/chat/completions?x=1", json={"model": "tiny", "stream": True,
                        "messages": [{"role": "user", "content": "hi"}]}, headers={"authorization": "Bearer sk-client"})
     recorded = transport.cassettes[0].interactions[0].body
@@ -211,14 +211,14 @@ def test_other_paths_are_proxied_unchanged_and_streams_stream_through() -> None:
 
 def test_client_authorization_is_forwarded_without_an_upstream_key() -> None:
     transport = replay("text_nonstream")
-    with running_gateway(transport=transport) as url:
+    with running_gateway(tool_choice_enforcement="off", transport=transport) as url:
         httpx.post(url + "/v1/responses", json={"model": "tiny", "input": "x"},
                    headers={"authorization": "Bearer sk-client"})
     assert transport.requests[0]["headers"]["authorization"] == "Bearer sk-client"
 
 
 def test_streams_are_sse_with_one_frame_per_event() -> None:
-    with running_gateway(transport=replay("custom_tool_call_strict_stream")) as url:
+    with running_gateway(tool_choice_enforcement="off", transport=replay("custom_tool_call_strict_stream")) as url:
         r = httpx.post(url + "/v1/responses", json={"model": "tiny", "input": "x", "stream": True,
                                                     "tools": [APPLY_PATCH]})
     assert r.headers["content-type"].startswith("text/event-stream")

@@ -110,7 +110,7 @@ PATCH = {"type": "custom", "name": "apply_patch", "description": "Apply a patch.
 @pytest.mark.parametrize("cassette,calls", [("interleaved_two_calls", 2), ("interleaved_three_calls", 3)])
 def test_parallel_tool_calls_false_streamed_keeps_only_the_first_call(cassette: str, calls: int) -> None:
     tools = [WEATHER, PATCH, TIME]
-    with running_gateway(transport=replay(f"{cassette}_stream")) as url:
+    with running_gateway(tool_choice_enforcement="off", transport=replay(f"{cassette}_stream")) as url:
         c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
         with c.responses.stream(model="tiny", input="x", tools=tools, parallel_tool_calls=False) as stream:
             events = [e.model_dump(warnings=False) for e in stream]
@@ -126,7 +126,7 @@ def test_parallel_tool_calls_false_streamed_keeps_only_the_first_call(cassette: 
 
 @pytest.mark.parametrize("cassette", ["interleaved_two_calls_nonstream", "interleaved_three_calls_nonstream"])
 def test_parallel_tool_calls_false_non_streamed(cassette: str) -> None:
-    with running_gateway(transport=replay(cassette)) as url:
+    with running_gateway(tool_choice_enforcement="off", transport=replay(cassette)) as url:
         c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
         resp = c.responses.create(model="tiny", input="x", tools=[WEATHER, PATCH, TIME], parallel_tool_calls=False)
         both = c.responses.create(model="tiny", input="x", tools=[WEATHER, PATCH, TIME])
@@ -136,7 +136,7 @@ def test_parallel_tool_calls_false_non_streamed(cassette: str) -> None:
 
 def test_developer_message_declares_the_only_tool_and_a_custom_call_round_trips() -> None:
     transport = replay("custom_tool_call_strict_stream", "continuation_nonstream")
-    with running_gateway(transport=transport) as url:
+    with running_gateway(tool_choice_enforcement="off", transport=transport) as url:
         c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
         dev = {"role": "developer", "content": "", "tools": [PATCH]}
         with c.responses.stream(model="tiny", input=[dev, {"role": "user", "content": "patch"}]) as stream:
@@ -160,7 +160,7 @@ def test_developer_message_declares_the_only_tool_and_a_custom_call_round_trips(
 
 def test_namespace_round_trip_including_history() -> None:
     transport = replay("namespace_calls_stream", "namespace_calls_nonstream", "continuation_nonstream")
-    with running_gateway(transport=transport) as url:
+    with running_gateway(tool_choice_enforcement="off", transport=transport) as url:
         c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
         with c.responses.stream(model="tiny", input="who?", tools=[NS]) as stream:
             events = [e.model_dump(warnings=False) for e in stream]

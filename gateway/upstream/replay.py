@@ -146,7 +146,8 @@ class CassetteTransport(httpx.AsyncBaseTransport):
         if interaction.is_stream:
             return httpx.Response(interaction.status, headers=headers,
                                   stream=_ChunkStream([c for c in self.chunker(payload) if c]))
-        return httpx.Response(interaction.status, headers=headers, content=payload)
+        # A stream, not content=: httpx reads in-memory content eagerly, and the gateway relays raw bytes.
+        return httpx.Response(interaction.status, headers=headers, stream=_ChunkStream([payload] if payload else []))
 
     def _pick(self, request: httpx.Request, body: dict[str, Any] | None) -> tuple[Interaction, str | None] | None:
         if self.matcher is not None:

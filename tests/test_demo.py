@@ -1,0 +1,48 @@
+"""The README's quick start: ``responses-gateway demo`` serves a custom tool call out of the box."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+
+from tests.support import ROOT, free_port
+
+
+def test_demo_serves_custom_tools_and_chaining_out_of_the_box() -> None:
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
+    proc = subprocess.Popen([sys.executable, "-m", "gateway", "demo", "--port", str(port)], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=1)
+                break
+            except httpx.TransportError:
+                assert proc.poll() is None and time.monotonic() < deadline, "demo did not start"
+                time.sleep(0.1)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        resp = client.responses.create(
+            model="tiny", input="Fix the bug.",
+            tools=[{"type": "custom", "name": "apply_patch", "description": "Apply a patch."}],
+            tool_choice={"type": "custom", "name": "apply_patch"})
+        [call] = resp.output
+        assert call.type == "custom_tool_call" and call.name == "apply_patch" and call.id.startswith("ctc_")
+        follow = client.responses.create(model="tiny", previous_response_id=resp.id, input=[
+            {"type": "custom_tool_call_output", "call_id": call.call_id, "output": "Done."}])
+        assert follow.status == "completed" and follow.previous_response_id == resp.id
+        with client.responses.stream(model="tiny", input="hi", tools=[{"type": "custom", "name": "run_sql"}],
+                                     tool_choice="required") as stream:
+            for _ in stream:
+                pass
+            final = stream.get_final_response()
+        assert final.output[0].type == "custom_tool_call" and final.output[0].name == "run_sql"
+    finally:
+        proc.terminate()
+        proc.wait(30)
