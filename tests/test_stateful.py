@@ -40,7 +40,8 @@ def terminal(raw: bytes) -> dict[str, Any]:
 
 def test_three_turn_conversation_with_a_custom_tool_through_previous_response_id(tmp_path: Path) -> None:
     transport = replay("custom_tool_call_strict_nonstream", "continuation_stream", "text_nonstream")
-    with running_gateway(tool_choice_enforcement="off", transport=transport, store=SqliteResponseStore(tmp_path / "r.db")) as url:
+    with running_gateway(tool_choice_enforcement="off", transport=transport,
+                         store=SqliteResponseStore(tmp_path / "r.db")) as url:
         c = sdk(url)
         r1 = c.responses.create(model="tiny", instructions="Be brief.", input="patch the file", tools=[PATCH],
                                 tool_choice={"type": "custom", "name": "apply_patch"})
@@ -74,7 +75,8 @@ def test_three_turn_conversation_with_a_custom_tool_through_previous_response_id
 
 def test_endpoints_get_delete_input_items_cancel(tmp_path: Path) -> None:
     transport = replay("custom_tool_call_strict_nonstream")
-    with running_gateway(tool_choice_enforcement="off", transport=transport, store=SqliteResponseStore(tmp_path / "r.db")) as url:
+    with running_gateway(tool_choice_enforcement="off", transport=transport,
+                         store=SqliteResponseStore(tmp_path / "r.db")) as url:
         c = sdk(url)
         items = [{"role": "user", "content": f"m{i}"} for i in range(5)]
         r = c.responses.create(model="tiny", input=items, tools=[PATCH], metadata={"k": "v"})
@@ -118,7 +120,8 @@ def test_store_false_writes_nothing_and_unknown_previous_id_is_404(tmp_path: Pat
 
 def test_concurrent_continuations_of_one_parent_both_succeed(tmp_path: Path) -> None:
     transport = replay("text_nonstream", "continuation_nonstream", "continuation_nonstream")
-    with running_gateway(tool_choice_enforcement="off", transport=transport, store=SqliteResponseStore(tmp_path / "r.db")) as url:
+    with running_gateway(tool_choice_enforcement="off", transport=transport,
+                         store=SqliteResponseStore(tmp_path / "r.db")) as url:
         parent = sdk(url).responses.create(model="tiny", input="x")
 
         async def both() -> list[httpx.Response]:
@@ -138,7 +141,8 @@ def test_agents_sdk_chains_turns_with_previous_response_id(tmp_path: Path) -> No
 
     set_tracing_disabled(True)
     transport = replay("text_completed_nonstream", "text_completed_nonstream")
-    with running_gateway(tool_choice_enforcement="off", transport=transport, store=SqliteResponseStore(tmp_path / "r.db")) as url:
+    with running_gateway(tool_choice_enforcement="off", transport=transport,
+                         store=SqliteResponseStore(tmp_path / "r.db")) as url:
         client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
         agent = Agent(name="a", instructions="Be brief.", model=OpenAIResponsesModel("tiny", client))
 
