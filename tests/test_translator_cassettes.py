@@ -211,3 +211,27 @@ def test_restore_response_echoes_the_client_request() -> None:
     r = restore_response(upstream, state, output=[], status="completed")
     assert r["id"] == "resp_x" and r["tools"] == request["tools"] and r["metadata"] == {"a": "b"}
     assert r["tool_choice"] == request["tool_choice"] and r["error"] is None and "input_messages" not in r
+
+
+def test_items_only_in_the_terminal_output_are_shown_before_it() -> None:
+    from tests.vllm_frames import VllmStream
+
+    s = VllmStream().start().message("msg_1", ["hi"])
+    s.output.append({"arguments": '{"input": "late"}', "call_id": "call_late", "name": "apply_patch",
+                     "type": "function_call", "id": "fc_late", "status": "completed"})
+    s.complete()
+    request = {"model": "tiny", "input": "x", "tools": [DEFAULT_TOOLS[0]]}
+    events, _ = translate(s.body(), request)
+    summary = check_stream(events, request)
+    assert [i["type"] for i in summary["items"]] == ["message", "custom_tool_call"]
+    assert summary["items"][1]["id"] == "ctc_late" and summary["custom_inputs"] == ["late"]
+
+
+def test_in_progress_before_created_still_starts_with_created() -> None:
+    from tests.vllm_frames import VllmStream
+
+    s = VllmStream().start().message("msg_1", ["hi"]).complete()
+    body = s.body().split(b"\n\n", 1)[1]  # drop response.created
+    events, _ = translate(body, {"model": "tiny", "input": "x"})
+    check_stream(events)
+    assert [e["type"] for e in events[:2]] == ["response.created", "response.in_progress"]

@@ -189,9 +189,12 @@ class FunctionSseTranslator:
             resp = restore_response(self.acc.snapshot, self.state, output=[], status="in_progress")
             return [self._emit(etype, {"response": resp})]
         if etype == "response.in_progress" and not self._in_progress:
-            out = [] if self._created else self._ensure_started()[:1]
             self._in_progress = True
             resp = restore_response(self.acc.snapshot, self.state, output=[], status="in_progress")
+            out = []
+            if not self._created:
+                self._created = True
+                out.append(self._emit("response.created", {"response": dict(resp)}))
             out.append(self._emit(etype, {"response": resp}))
             return out
         return []  # duplicates (and queued) are folded into the snapshot only
@@ -213,8 +216,8 @@ class FunctionSseTranslator:
                 continue
             st = self._match(item)
             if st is None:
+                # Never streamed: shown now as a done-only item, under an index no upstream item uses.
                 idx = 1_000_000 + len(self._items)
-                st = self._items[idx] = _Item(self.acc.item(idx))
                 out += self._on_item_done("response.output_item.done",
                                           {"output_index": idx, "item": item, "sequence_number": -1}, "")
             elif st.kind == "pending":
@@ -381,9 +384,8 @@ class FunctionSseTranslator:
         if st.input_done is not None:
             return []
         value = final_input(arguments, st.decoder)
-        if (st.decoder is not None and st.decoder.mode == "raw") or (value == arguments and not st.emitted):
-            if value == arguments and arguments and not _is_input_json(arguments):
-                self.stats.raw_inputs += 1
+        if value == arguments and arguments and not _is_input_json(arguments):
+            self.stats.raw_inputs += 1  # the I/O shell logs this at debug level (never the input itself)
         sent = "".join(st.emitted)
         out: list[bytes] = []
         if value.startswith(sent):
