@@ -497,6 +497,140 @@ SCENARIOS: list[Scenario] = [
 ]
 
 
+# ---- tool_choice enforcement (gateway/enforce): multi-step scenarios
+#
+# Each is a CLIENT Responses request; the upstream requests are built by the gateway's own code
+# (gateway.enforce.constrain), so a cassette's recorded bodies are exactly what the gateway sends and the
+# tests can assert on them. All steps of one variant go into one cassette, in order.
+
+# An apply_patch-like Lark grammar that the Python `lark` package loads as is (bounded terminals, so
+# the tiny random model also terminates: 10/10 seeds in a probe, against ~1/2 for APPLY_PATCH_GRAMMAR).
+LARK_PATCH_GRAMMAR = r"""start: begin_patch hunk+ end_patch
+begin_patch: "*** Begin Patch" LF
+end_patch: "*** End Patch" LF?
+hunk: add_hunk | delete_hunk
+add_hunk: "*** Add File: " FILENAME LF add_line+
+delete_hunk: "*** Delete File: " FILENAME LF
+add_line: "+" TEXT? LF
+FILENAME: /[a-z][a-z0-9_]{0,11}\.txt/
+TEXT: /[^\n]{1,32}/
+%import common.LF
+"""
+ZIP_REGEX = "[0-9]{5}"
+CLIENT_GET_WEATHER = {**FN_GET_WEATHER}
+CLIENT_GET_TIME = {**FN_GET_TIME}
+CLIENT_LARK_PATCH = {"type": "custom", "name": "apply_patch", "description": "Apply a patch.",
+                     "format": {"type": "grammar", "syntax": "lark", "definition": LARK_PATCH_GRAMMAR}}
+CLIENT_ZIP = {"type": "custom", "name": "zip_code", "description": "Look up a zip code.",
+              "format": {"type": "grammar", "syntax": "regex", "definition": ZIP_REGEX}}
+
+
+@dataclass
+class EnforceScenario:
+    name: str
+    request: dict[str, Any]  # the client's Responses request (without stream/seed)
+    note: str = ""
+    seeds: list[int] = field(default_factory=lambda: list(range(1, 40)))
+    max_len: int | None = None  # prefer a short answer (a JSON answer can be hundreds of whitespace chunks)
+
+
+ENFORCE_SCENARIOS: list[EnforceScenario] = [
+    EnforceScenario("enforce_named_function", {
+        "model": MODEL, "input": "What is the weather in Paris?", "tools": [CLIENT_GET_WEATHER, CLIENT_GET_TIME],
+        "tool_choice": {"type": "function", "name": "get_weather"}},
+        note="named function: arguments generated under structured_outputs json = its parameters", max_len=120),
+    EnforceScenario("enforce_required_three", {
+        "model": MODEL, "input": "Weather in Paris, the time in Tokyo, or a zip code?",
+        "tools": [CLIENT_GET_WEATHER, CLIENT_GET_TIME, CLIENT_ZIP], "tool_choice": "required"},
+        note="required among three tools: a choice step picks the tool, then its arguments are constrained"),
+    EnforceScenario("enforce_custom_lark", {
+        "model": MODEL, "input": "Add a file hello.txt saying hi.", "tools": [CLIENT_LARK_PATCH],
+        "tool_choice": {"type": "custom", "name": "apply_patch"}},
+        note="custom tool with a Lark grammar: input generated under structured_outputs grammar"),
+    EnforceScenario("enforce_custom_regex", {
+        "model": MODEL, "input": "The zip code of the Eiffel Tower?", "tools": [CLIENT_ZIP],
+        "tool_choice": {"type": "custom", "name": "zip_code"}},
+        note="custom tool with a regex: input generated under structured_outputs regex"),
+]
+
+
+def _enforce_steps(client: httpx.Client, sc: EnforceScenario, stream: bool, seed: int, key: str | None
+                   ) -> dict[str, Any]:
+    """Run the gateway's constrained steps for one client request; return a summary."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from gateway.enforce.constrain import args_request, pick_request
+    from gateway.enforce.validate import check_arguments, check_input
+    from gateway.translate.chat import build_chat_request
+    from gateway.translate.tool_context import resolve_tool_context
+
+    req = {**copy.deepcopy(sc.request), "seed": seed}
+    ctx = resolve_tool_context(req)
+    base = build_chat_request(req, ctx, [], with_tools=False)
+    pinned = ctx.pinned_tools
+    s: dict[str, Any] = {"http": 200, "steps": []}
+    info = pinned[0]
+    if len(pinned) > 1:
+        r = client.post("/v1/chat/completions", json=pick_request(base, pinned), headers=headers(key))
+        if r.status_code != 200:
+            return {"http": r.status_code, "error": r.text[:200]}
+        picked = r.json()["choices"][0]["message"]["content"]
+        s["steps"].append(f"pick -> {picked!r}")
+        info = next((i for i in pinned if i.upstream_name == picked), None)
+        if info is None:
+            s["valid"] = False
+            return s
+    body = args_request(base, info, stream=stream)
+    r = client.post("/v1/chat/completions", json=body, headers=headers(key))
+    r.read()
+    if r.status_code != 200:
+        return {"http": r.status_code, "error": r.text[:200]}
+    summ = summarize("/v1/chat/completions", stream, r, None)
+    text = summ.get("text", "")
+    verdict = check_arguments(info, text) if info.kind == "function" else check_input(info, text)
+    s["steps"].append(f"arguments({info.upstream_name}) finish={summ.get('finish_reason')} "
+                      f"{'valid' if verdict.ok else 'INVALID: ' + str(verdict.reason)} content={text[:60]!r}")
+    s["valid"] = verdict.ok and summ.get("finish_reason") == "stop" and (sc.max_len is None or len(text) <= sc.max_len)
+    return s
+
+
+def record_enforce(args: argparse.Namespace, client: httpx.Client, version: str, wanted: set[str]) -> None:
+    out = Path(args.out)
+    for sc in ENFORCE_SCENARIOS:
+        for variant in ("nonstream", "stream"):
+            name = f"{sc.name}_{variant}"
+            if wanted and name not in wanted and sc.name not in wanted:
+                continue
+            path = out / f"{name}.yaml"
+            stream = variant == "stream"
+            summary: dict[str, Any] = {}
+            for seed in sc.seeds:
+                if path.exists():
+                    path.unlink()
+                my_vcr = vcr.VCR(serializer="yaml", record_mode="all", decode_compressed_response=True,
+                                 filter_headers=["authorization"])
+                with my_vcr.use_cassette(str(path)):
+                    summary = _enforce_steps(client, sc, stream, seed, args.api_key)
+                if summary.get("valid"):
+                    break
+            now = _dt.datetime.now(_dt.UTC).replace(microsecond=0).isoformat()
+            req = json.dumps({**sc.request, "seed": seed, **({"stream": True} if stream else {})})
+            hdr = [
+                f"# scenario: {name}",
+                f"# recorded: {now}",
+                f"# vllm-version: {version}",
+                f"# upstream: {args.upstream} model={MODEL} (tiny random-weight model, hermes tool parser)",
+                f"# client request (Responses, to the gateway; upstream requests built by gateway.enforce): {req}",
+                f"# seed: {seed} (the first seed of {sc.seeds[0]}..{sc.seeds[-1]} whose answer was valid"
+                + (f" and at most {sc.max_len} characters)" if sc.max_len else ")")
+                if summary.get("valid") else f"# seed: {seed} (NO seed gave a valid answer)",
+                f"# note: {sc.note}",
+                f"# result: {'; '.join(summary.get('steps', [])) or summary.get('error')}",
+            ]
+            text = path.read_text()
+            path.write_text("\n".join(h.replace("\n", "\\n") for h in hdr) + "\n" + text)
+            print(f"{name}: seed {seed}: {'; '.join(summary.get('steps', []))}", flush=True)
+
+
 # --------------------------------------------------------------------------- summaries
 
 
@@ -757,6 +891,7 @@ def record(args: argparse.Namespace) -> int:
             text = path.read_text()
             path.write_text("\n".join(h.replace("\n", "\\n") for h in hdr) + "\n" + text)
             print(f"{name}: {desc}", flush=True)
+    record_enforce(args, client, version, wanted)
     client.close()
     return 0
 
@@ -792,6 +927,9 @@ def main(argv: list[str] | None = None) -> int:
         for sc in SCENARIOS:
             for v in sc.variants:
                 print(f"{sc.name}_{v}")
+        for esc in ENFORCE_SCENARIOS:
+            for v in ("nonstream", "stream"):
+                print(f"{esc.name}_{v}")
         return 0
     return record(args)
 

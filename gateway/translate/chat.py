@@ -221,7 +221,8 @@ def build_chat_request(body: Mapping[str, Any], ctx: ResolvedToolContext, histor
         tools = [chat_tool(t) for t in upstream_tools(ctx) if t.get("type") == "function"]
         if tools:
             up["tools"] = tools
-            up["tool_choice"] = chat_tool_choice(ctx)
+            if ctx.tool_choice_given:  # chat's own default with tools is auto, as the request's is
+                up["tool_choice"] = chat_tool_choice(ctx)
             if ctx.parallel_tool_calls_given:
                 up["parallel_tool_calls"] = ctx.parallel_tool_calls
     if body.get("stream"):
