@@ -37,7 +37,11 @@ def run(settings: Settings, *, demo: bool = False) -> int:
         from gateway.demo import demo_transport
 
         transport = demo_transport()
-    app = create_app(settings, transport=transport)
+    try:
+        app = create_app(settings, transport=transport)
+    except (OSError, ValueError) as exc:  # a key file missing or empty: a clear line, not a traceback
+        print(f"responses-gateway: {exc}", file=sys.stderr)
+        return 2
     # log_config=None: uvicorn's loggers go through the JSON handler configure_logging installed; the
     # gateway writes its own access line per request. The drain timeout is set by serve_until_stopped.
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, access_log=False,

@@ -82,3 +82,13 @@ def test_rejections_are_counted() -> None:
         text = httpx.get(url + "/metrics").text
     assert 'responses_gateway_rejected_requests_total{reason="unauthorized"} 1.0' in text
     assert 'responses_gateway_requests_total{route="/v1/responses",status="401",stream="false"} 1.0' in text
+
+
+def test_an_empty_key_file_refuses_to_start_instead_of_turning_auth_off(tmp_path: Path) -> None:
+    from gateway.config import Settings
+    from gateway.server import create_app
+
+    empty = tmp_path / "keys"
+    empty.write_text("# nothing yet\n\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="contains no keys"):
+        create_app(Settings(api_keys_file=str(empty), store="none"), store=None)

@@ -110,6 +110,9 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
     drain.on_abort.append(metrics.aborted_on_shutdown.inc)
     readiness = Readiness(draining=lambda: drain.draining)
     auth = ApiKeyAuth(settings.all_api_keys())
+    if settings.api_keys_file and not auth.enabled:
+        # An empty or unreadable-looking key file would silently turn auth off: refuse to start instead.
+        raise ValueError(f"--api-keys-file {settings.api_keys_file} contains no keys")
     limiter = ConcurrencyLimiter(settings.max_concurrency)
     metrics.in_flight.set_function(lambda: limiter.active)
     services: dict[str, Any] = {}
