@@ -68,7 +68,7 @@ def test_concurrency_limit_answers_429_with_retry_after_while_streams_are_open()
 
 def test_stream_idle_timeout_ends_the_stream_with_response_failed_end_to_end() -> None:
     fake = FakeVllm(stall_after=6, stall_for=30)  # vLLM goes silent mid-answer
-    with fake_vllm(fake) as (up, _), gateway(up, stream_idle_timeout=0.3) as (url, _app, _server):
+    with fake_vllm(fake) as (up, _), gateway(up, stream_idle_timeout=0.5) as (url, _app, _server):
         r = httpx.post(url + "/v1/responses", json=STREAM, timeout=10)
         text = httpx.get(url + "/metrics").text
     events = sse_events(r.content)
