@@ -16,8 +16,8 @@ from tests.support import ROOT, free_port
 def test_demo_serves_custom_tools_and_chaining_out_of_the_box() -> None:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
-    proc = subprocess.Popen([sys.executable, "-m", "gateway", "demo", "--port", str(port)], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen([sys.executable, "-m", "gateway", "demo", "--port", str(port), "--drain-timeout", "1"],
+                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 20
         while True:
