@@ -185,3 +185,11 @@ def test_non_streamed_completion_gives_the_same_items() -> None:
     assert final is not None and final["status"] == "completed"
     assert [i["type"] for i in final["output"]] == ["reasoning", "function_call", "function_call"]
     assert final["usage"]["input_tokens"] == 180 and final["usage"]["output_tokens"] == 30
+
+
+def test_tool_choice_none_on_the_responses_path_offers_no_tools_either() -> None:
+    from gateway.translate.rewrite import build_upstream_request
+
+    body, ctx = _ctx_body(input="hi", tools=[WEATHER, PATCH], tool_choice="none")
+    up = build_upstream_request(body, ctx)
+    assert "tools" not in up and up["tool_choice"] == "none"

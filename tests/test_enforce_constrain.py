@@ -169,3 +169,55 @@ def test_auto_grammar_call_that_does_not_parse_is_regenerated_once_under_the_gra
     assert transport.requests[1]["body"] == synthesized.interactions[0].request_body
     # the held call was never shown with its invalid input
     assert "not a patch" not in r.text
+
+
+def _chat_answer(content: str) -> httpx.Response:
+    return httpx.Response(200, json={"id": "chatcmpl-x", "object": "chat.completion", "created": 1, "model": "tiny",
+                                     "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
+                                                  "finish_reason": "stop"}],
+                                     "usage": {"prompt_tokens": 10, "completion_tokens": 2, "total_tokens": 12}})
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_choice_step_that_names_no_allowed_tool_fails_the_response_after_bounded_attempts(stream: bool) -> None:
+    seen: list[dict[str, Any]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(json.loads(request.content))
+        return _chat_answer("nonsense")  # what a server without structured outputs might answer
+
+    request = {"model": "tiny", "input": "x", "tools": client_request("enforce_required_three_nonstream")["tools"],
+               "tool_choice": "required", "stream": stream}
+    with running_gateway(transport=httpx.MockTransport(handler), tool_choice_enforcement="constrain") as url:
+        r = httpx.post(url + "/v1/responses", json=request, timeout=30)
+    assert r.status_code == 200 and len(seen) == 2  # PICK_ATTEMPTS
+    if stream:
+        summary = check_stream(sse_events(r.content), request)
+        assert summary["terminal"] == "response.failed"
+        final = summary["response"]
+    else:
+        final = r.json()
+    assert final["status"] == "failed" and final["error"]["code"] == "tool_choice_violation"
+    assert final["output"] == []
+
+
+def test_non_streamed_auto_grammar_call_is_regenerated() -> None:
+    request = {**client_request("enforce_custom_lark_nonstream"), "tool_choice": "auto"}
+    stream = VllmStream().start()
+    stream.call("fc_00000000000000a2", "chatcmpl-tool-00000000000000a2", "apply_patch", ['{"input": "oops"}'])
+    payload = json.loads(stream.complete().body().split(b"data: ")[-1])["response"]
+    recorded = load_cassette(cassette("enforce_custom_lark_nonstream")).interactions[0].body
+    answers = [httpx.Response(200, json=payload),
+               httpx.Response(200, content=recorded, headers={"content-type": "application/json"})]
+    paths: list[str] = []
+
+    def handler(req: httpx.Request) -> httpx.Response:
+        paths.append(req.url.path)
+        return answers[len(paths) - 1]
+
+    with running_gateway(transport=httpx.MockTransport(handler), tool_choice_enforcement="constrain") as url:
+        final = httpx.post(url + "/v1/responses", json=request, timeout=30).json()
+    assert paths == ["/v1/responses", "/v1/chat/completions"]
+    [call] = final["output"]
+    lark.Lark(request["tools"][0]["format"]["definition"], parser="earley").parse(call["input"])
+    assert final["status"] == "completed"
