@@ -18,7 +18,6 @@ from gateway.enforce.runner import Enforcer, Guard, Plan, StepError, Violation, 
 from gateway.errors import GatewayError, InvalidRequest, NotFound
 from gateway.protocol.ids import new_id
 from gateway.protocol.request import parse_request_body
-from gateway.protocol.sse import SseParser
 from gateway.server.http import OrjsonResponse, SseResponse, read_body
 from gateway.server.record import RequestRecord
 from gateway.server.shutdown import Drain, ShuttingDown
@@ -111,10 +110,7 @@ class ResponsesHandler:
                     await up.aclose()
                 record.upstream_error = f"http_{up.status_code}"
                 return OrjsonResponse(err, status_code=up.status_code)
-            translator = FunctionSseTranslator(state)
-            return SseResponse(self._pump(up, translator, record, persist),
-                               headers={"x-request-id": record.request_id},
-                               on_disconnect=lambda: _mark_disconnect(record))
+            return self._stream(responses_event_batches(up), up, state, record, persist, None)
         status, payload = await self.upstream.post_json("/v1/responses", upstream_body, headers)
         if status >= 400:
             record.upstream_error = f"http_{status}"
@@ -294,6 +290,10 @@ class ResponsesHandler:
             record.tool_calls = {"custom": stats.custom_calls, "function": stats.function_calls}
             record.held_bytes_peak = stats.held_bytes_peak
             record.overflowed = stats.overflowed
+            if stats.raw_inputs or stats.input_mismatches:
+                # Counts only: a custom tool's input never reaches the logs.
+                log.debug("custom_input_not_input_json", request_id=record.request_id, raw=stats.raw_inputs,
+                          mismatches=stats.input_mismatches)
 
     def _should_store(self, body: dict[str, Any]) -> bool:
         return self.store is not None and body.get("store", True) is not False
@@ -332,63 +332,6 @@ class ResponsesHandler:
                 log.error("store_write_failed", response_id=final.get("id"), error=type(exc).__name__)
 
         return persist
-
-    async def _pump(self, up: UpstreamResponse, translator: FunctionSseTranslator, record: RequestRecord,
-                    persist: Callable[[dict[str, Any]], Awaitable[None]] | None) -> AsyncIterator[bytes]:
-        """Upstream bytes -> SSE frames -> translator -> client bytes, one write per upstream chunk.
-
-        The final frame batch is held back until the response is persisted, so a client that reacts to
-        ``response.completed`` by continuing the conversation always finds it stored.
-        """
-        parser = SseParser()
-        feed = translator.feed
-        try:
-            out: list[bytes] = []
-            try:
-                chunks = up.response.aiter_bytes()
-                async for chunk in (self.drain.guard(chunks) if self.drain is not None else chunks):
-                    for event, data in parser.feed(chunk):
-                        out += feed(event, data)
-                        if translator.finished:
-                            break
-                    if translator.finished:
-                        break
-                    if out:
-                        if record.ttfb is None:
-                            record.ttfb = time.perf_counter() - record.started
-                        yield b"".join(out)
-                        out = []
-                else:
-                    for event, data in parser.close():
-                        out += feed(event, data)
-                    out += translator.finish()
-            except ShuttingDown:
-                out += translator.fail("gateway_shutting_down", "The gateway is shutting down; the stream was "
-                                       "ended after the drain period. Retry the request.")
-            except httpx.ReadTimeout:
-                record.upstream_error = "idle_timeout"
-                out += translator.fail("stream_idle_timeout", f"No upstream event for "
-                                       f"{self.settings.stream_idle_timeout:g} seconds; the gateway ended the stream.")
-            except httpx.HTTPError as exc:
-                record.upstream_error = "stream_broken"
-                out += translator.fail("upstream_connection_error",
-                                       f"The upstream connection broke mid-stream ({type(exc).__name__}).")
-            final = translator.final_response
-            if final is not None:
-                record.response_status = final.get("status")
-                record.usage = final.get("usage") if isinstance(final.get("usage"), dict) else None
-                if persist is not None:
-                    await persist(final)
-            if out:
-                if record.ttfb is None:
-                    record.ttfb = time.perf_counter() - record.started
-                yield b"".join(out)
-        finally:
-            await up.aclose()
-            stats = translator.stats
-            record.tool_calls = {"custom": stats.custom_calls, "function": stats.function_calls}
-            record.held_bytes_peak = stats.held_bytes_peak
-            record.overflowed = stats.overflowed
 
 
 def _mark_disconnect(record: RequestRecord) -> None:
