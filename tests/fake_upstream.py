@@ -6,18 +6,14 @@ Gateways run as subprocesses need an upstream they can reach over TCP; this wrap
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import threading
-import time
 from collections.abc import Iterator
 
 import httpx
-import uvicorn
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from tests.support import free_port
+from tests.support import serve_in_thread
 
 
 def asgi_for(transport: httpx.AsyncBaseTransport):  # type: ignore[no-untyped-def]
@@ -48,18 +44,5 @@ def asgi_for(transport: httpx.AsyncBaseTransport):  # type: ignore[no-untyped-de
 
 @contextlib.contextmanager
 def serving(transport: httpx.AsyncBaseTransport) -> Iterator[str]:
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(asgi_for(transport), host="127.0.0.1", port=port, log_config=None,
-                                           access_log=False, lifespan="on"))
-    thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        if time.monotonic() > deadline:
-            raise RuntimeError("fake upstream did not start")
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
+    with serve_in_thread(asgi_for(transport)) as (url, _server):
+        yield url

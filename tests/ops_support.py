@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -21,7 +20,7 @@ from starlette.routing import Route
 from gateway.config import Settings
 from gateway.server import create_app
 from gateway.upstream.replay import load_cassette
-from tests.support import cassette, free_port
+from tests.support import cassette, serve_in_thread
 
 
 def cassette_frames(name: str) -> list[bytes]:
@@ -101,27 +100,6 @@ class FakeVllm:
             Route("/v1/responses", responses, methods=["POST"]),
             Route("/v1/chat/completions", responses, methods=["POST"]),
         ])
-
-
-@contextlib.contextmanager
-def serve_in_thread(app: Any, port: int | None = None) -> Iterator[tuple[str, uvicorn.Server]]:
-    """Any ASGI app on loopback in a thread; yields its base URL and the uvicorn server."""
-    port = port or free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None, access_log=False, lifespan="on",
-                            timeout_graceful_shutdown=2)
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("server did not start")
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}", server
-    finally:
-        server.should_exit = True
-        thread.join(10)
 
 
 @contextlib.contextmanager

@@ -56,26 +56,35 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_gateway(settings: Settings | None = None, *, transport: httpx.AsyncBaseTransport | None = None,
-                    store: ResponseStore | str | None = None, **overrides: Any) -> Iterator[str]:
-    """A real uvicorn server on loopback, in a thread; yields its base URL (``http://127.0.0.1:PORT``)."""
-    port = free_port()
-    # Replayed /v1/responses cassettes are the core path: enforcement (default constrain, which talks to
-    # /v1/chat/completions for pinned calls) is opted into by the tests that exercise it.
-    base = settings or Settings(upstream_url="http://upstream.test", store="none", tool_choice_enforcement="off")
-    settings = base.with_overrides(host="127.0.0.1", port=port, **overrides)
-    app = create_app(settings, transport=transport, store=store)
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None, access_log=False, lifespan="on")
+def serve_in_thread(app: Any, port: int | None = None) -> Iterator[tuple[str, uvicorn.Server]]:
+    """Any ASGI app on loopback in a thread; yields its base URL and the uvicorn server."""
+    port = port or free_port()
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None, access_log=False, lifespan="on",
+                            timeout_graceful_shutdown=2)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
     while not server.started:
         if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("gateway did not start")
+            raise RuntimeError("server did not start")
         time.sleep(0.01)
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{port}", server
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+@contextlib.contextmanager
+def running_gateway(settings: Settings | None = None, *, transport: httpx.AsyncBaseTransport | None = None,
+                    store: ResponseStore | str | None = None, **overrides: Any) -> Iterator[str]:
+    """A real gateway (uvicorn on loopback, in a thread); yields its base URL (``http://127.0.0.1:PORT``).
+
+    The core-path default is ``tool_choice_enforcement="off"``; enforcement tests ask for their mode.
+    """
+    port = free_port()
+    base = settings or Settings(upstream_url="http://upstream.test", store="none", tool_choice_enforcement="off")
+    settings = base.with_overrides(host="127.0.0.1", port=port, **overrides)
+    with serve_in_thread(create_app(settings, transport=transport, store=store), port) as (url, _server):
+        yield url
