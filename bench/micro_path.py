@@ -1,0 +1,175 @@
+"""Micro-benchmark of the gateway's per-frame path, piece by piece, in one process (no sockets).
+
+    .venv/bin/python bench/micro_path.py                 # the gateway in this checkout
+    .venv/bin/python bench/micro_path.py --root /tmp/x   # a scratch copy (A/B of a proposed change)
+
+Prints microseconds per upstream frame for: SSE parsing, translation (custom tool on), both together,
+the drain guard around each upstream read, and the ASGI send chain down to h11 (no socket). The
+workload is bench_gateway's: one ``apply_patch`` call streamed as N argument deltas, one HTTP chunk
+(so one pump iteration) per frame, as vLLM sends them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+
+
+def best_of(fn: Callable[[], Any], repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--root", type=Path, help="import the gateway package from this directory")
+    p.add_argument("--deltas", type=int, default=20000)
+    p.add_argument("--repeats", type=int, default=5)
+    a = p.parse_args()
+    if a.root:
+        sys.path.insert(0, str(a.root.resolve()))
+    sys.path.insert(1, str(HERE))
+    import anyio
+    import orjson
+    from bench_gateway import REQUEST_BODY, build_workload
+
+    import gateway
+    from gateway.protocol.request import parse_request_body
+    from gateway.protocol.sse import SseParser
+    from gateway.translate.restore import build_request_state
+    from gateway.translate.tool_context import resolve_tool_context
+    from gateway.translate.translator import FunctionSseTranslator
+
+    w = build_workload(a.deltas)
+    chunks = [*w.head, w.added, *w.deltas, *w.tail]
+    n = len(chunks)
+    body = parse_request_body(REQUEST_BODY)
+    ctx = resolve_tool_context(body)
+    print(f"gateway from {Path(gateway.__file__).parent}; {n} upstream frames per stream")
+
+    def state() -> Any:
+        return build_request_state(body, ctx, response_id="resp_x", created_at=1)
+
+    parsed: list[tuple[str, str]] = []
+
+    def parse_only() -> None:
+        parser = SseParser()
+        out = []
+        for c in chunks:
+            out += parser.feed(c)
+        parsed[:] = out
+
+    def translate_only() -> None:
+        t = FunctionSseTranslator(state())
+        for ev, data in parsed:
+            t.feed(ev, data)
+
+    client_frames: list[bytes] = []
+
+    def both() -> None:
+        parser = SseParser()
+        t = FunctionSseTranslator(state())
+        feed = t.feed
+        out: list[bytes] = []
+        for c in chunks:
+            for ev, data in parser.feed(c):
+                out += feed(ev, data)
+        client_frames[:] = out
+
+    rows: list[tuple[str, float]] = []
+    parse_only()
+    rows.append(("SseParser.feed", best_of(parse_only, a.repeats)))
+    rows.append(("FunctionSseTranslator.feed", best_of(translate_only, a.repeats)))
+    rows.append(("parse + translate", best_of(both, a.repeats)))
+    decoded = [orjson.loads(f.split(b"data: ", 1)[1]) for f in client_frames]
+    text = "".join(e.get("delta", "") for e in decoded if e["type"] == "response.custom_tool_call_input.delta")
+    assert text == w.expected_input, "translation changed the input"
+
+    # -- async pieces: an async generator of the chunks, with and without the drain guard
+    async def source() -> AsyncIterator[bytes]:
+        for c in chunks:
+            yield c
+
+    async def consume(it: AsyncIterator[bytes]) -> None:
+        async for _ in it:
+            pass
+
+    guard: Callable[[AsyncIterator[bytes]], AsyncIterator[bytes]] | None = None
+    try:
+        from gateway.server.shutdown import Drain
+
+        guard = Drain().guard
+    except ImportError:
+        pass
+
+    async def timed(make: Callable[[], AsyncIterator[bytes]]) -> float:
+        best = float("inf")
+        for _ in range(a.repeats):
+            t0 = time.perf_counter()
+            await consume(make())
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    async def send_chain() -> float:
+        """starlette/uvicorn-like send chain: three wrapper closures and h11 chunked encoding."""
+        import h11
+
+        conn = h11.Connection(h11.SERVER)
+        conn.receive_data(b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n")
+        conn.next_event()
+        conn.next_event()
+        sink: list[bytes] = []
+        conn.send(h11.Response(status_code=200, headers=[(b"content-type", b"text/event-stream")]))
+
+        async def transport_send(message: dict[str, Any]) -> None:
+            data = conn.send(h11.Data(data=message["body"]))
+            if data:
+                sink.append(data)
+
+        async def wrap1(message: dict[str, Any]) -> None:
+            await transport_send(message)
+
+        async def wrap2(message: dict[str, Any]) -> None:
+            await wrap1(message)
+
+        async def wrap3(message: dict[str, Any]) -> None:
+            await wrap2(message)
+
+        best = float("inf")
+        for _ in range(a.repeats):
+            t0 = time.perf_counter()
+            for f in client_frames:
+                await wrap3({"type": "http.response.body", "body": f, "more_body": True})
+            best = min(best, time.perf_counter() - t0)
+            sink.clear()
+        return best
+
+    async def run_async() -> None:
+        plain = await timed(source)
+        rows.append(("async generator hop (baseline)", plain))
+        if guard is not None:
+            g = guard
+            rows.append(("Drain.guard over it (extra)", await timed(lambda: g(source())) - plain))
+        rows.append(("send chain + h11 encode (per client frame)", await send_chain() * n / len(client_frames)))
+
+    anyio.run(run_async)
+
+    print(f"{'piece':45s} {'us/upstream frame':>18s}")
+    for name, secs in rows:
+        print(f"{name:45s} {secs / n * 1e6:18.2f}")
+    print(f"client frames: {len(client_frames)} (x{len(client_frames) / n:.3f} of upstream)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
