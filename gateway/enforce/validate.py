@@ -16,13 +16,17 @@ import functools
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jsonschema
-import lark
 import orjson
 
 from gateway.translate.tool_context import ResolvedToolContext, ToolInfo
+
+if TYPE_CHECKING:
+    import lark
+
+# jsonschema and lark are imported where they are used: together they cost several MB of RSS in every
+# gateway process, and only requests that enforce a tool_choice or a grammar need them.
 
 __all__ = ["CallCheck", "LarkChecker", "OutputCheck", "check_call", "check_input", "check_pinned_output",
            "load_lark"]
@@ -43,6 +47,8 @@ class LarkChecker:
         """None if ``text`` parses; otherwise a short reason."""
         if self.parser is None:
             return None
+        import lark
+
         try:
             self.parser.parse(text)
         except lark.exceptions.LarkError as exc:
@@ -102,6 +108,8 @@ def _rewrite_zero_width(grammar: str) -> str:
 
 @functools.lru_cache(maxsize=64)
 def load_lark(definition: str) -> LarkChecker:
+    import lark
+
     try:
         return LarkChecker(lark.Lark(definition, parser="earley"))
     except lark.exceptions.LarkError as exc:
@@ -161,6 +169,8 @@ def check_arguments(info: ToolInfo, arguments: str) -> CallCheck:
     schema = info.definition.get("parameters")
     if not isinstance(schema, dict):
         return CallCheck(True)
+    import jsonschema
+
     try:
         validator_cls = jsonschema.validators.validator_for(schema)
         validator_cls.check_schema(schema)

@@ -3,6 +3,7 @@ client leaving while the upstream is silent (so the upstream request is closed a
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
@@ -42,6 +43,9 @@ async def read_body(request: Request, limit: int) -> bytes:
     return bytes(buf)
 
 
+_WRITE_BUFFER_LIMIT = 256 * 1024
+
+
 class SseResponse(Response):
     """Streams ``body`` as ``text/event-stream`` and cancels it when the client disconnects.
 
@@ -74,11 +78,46 @@ class SseResponse(Response):
                     scope_.cancel()
                     return
 
+        # The body is produced in its own task and written by this one: whatever frames arrive while a write is
+        # in flight go out together in the next write, so a burst of upstream frames costs one send, while a
+        # lone frame is written as soon as the producer waits on the upstream again (nothing is held back).
+        pending: list[bytes] = []
+        buffered = 0
+        produced_all = False
+        ready = asyncio.Event()
+        room = asyncio.Event()
+        room.set()
+
+        async def produce() -> None:
+            nonlocal buffered, produced_all
+            try:
+                async for chunk in self.body_iterator:
+                    pending.append(chunk)
+                    buffered += len(chunk)
+                    ready.set()
+                    if buffered > _WRITE_BUFFER_LIMIT:  # a slow client: stop reading the upstream for now
+                        room.clear()
+                        await room.wait()
+            finally:
+                produced_all = True
+                ready.set()
+
         async def stream(scope_: anyio.CancelScope) -> None:
+            nonlocal body_done, buffered
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            nonlocal body_done
-            async for chunk in self.body_iterator:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            while True:
+                if not pending and not produced_all:
+                    await ready.wait()
+                ready.clear()
+                if pending:
+                    data = b"".join(pending) if len(pending) > 1 else pending[0]
+                    pending.clear()
+                    buffered = 0
+                    room.set()
+                    await send({"type": "http.response.body", "body": data, "more_body": True})
+                    continue
+                if produced_all:
+                    break
             body_done = True
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             scope_.cancel()
@@ -86,6 +125,7 @@ class SseResponse(Response):
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(watch, tg.cancel_scope)
+                tg.start_soon(produce)
                 await stream(tg.cancel_scope)
         except OSError:
             disconnected = not body_done

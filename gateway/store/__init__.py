@@ -10,7 +10,6 @@ from gateway.store.base import (
     StoredResponse,
     StoreError,
 )
-from gateway.store.postgres import PostgresResponseStore
 from gateway.store.retention import run_sweeper
 from gateway.store.sqlite import SqliteResponseStore
 
@@ -51,8 +50,19 @@ def open_store(url: str) -> ResponseStore | None:
             raise ValueError("sqlite :memory: is not supported as a response store; use a file path")
         return SqliteResponseStore(path)
     if stripped.startswith(("postgresql://", "postgres://")):
+        from gateway.store.postgres import PostgresResponseStore
+
         return PostgresResponseStore(stripped)
     raise ValueError(
         f"unsupported response store URL {url!r}: expected 'none', 'sqlite:///relative/path.db', "
         "'sqlite:////absolute/path.db', or 'postgresql://user@host:port/dbname'"
     )
+
+
+def __getattr__(name: str) -> object:
+    # asyncpg (a few MB of RSS) is imported only by gateways that use PostgreSQL.
+    if name == "PostgresResponseStore":
+        from gateway.store.postgres import PostgresResponseStore
+
+        return PostgresResponseStore
+    raise AttributeError(name)
