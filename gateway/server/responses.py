@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,15 +101,9 @@ class ResponsesHandler:
                 record.upstream_error = f"http_{exc.status}"
                 return OrjsonResponse(exc.payload, status_code=exc.status)
         if record.stream:
-            up = await self.upstream.send_json("/v1/responses", upstream_body, headers, stream=True,
-                                               extra_headers=extra)
-            if not up.ok:
-                try:
-                    err = await up.error_body()
-                finally:
-                    await up.aclose()
-                record.upstream_error = f"http_{up.status_code}"
-                return OrjsonResponse(err, status_code=up.status_code)
+            up = await self._open_stream("/v1/responses", upstream_body, headers, extra, record)
+            if isinstance(up, Response):
+                return up
             return self._stream(responses_event_batches(up), up, state, record, persist, None)
         status, payload = await self.upstream.post_json("/v1/responses", upstream_body, headers)
         if status >= 400:
@@ -125,6 +119,19 @@ class ResponsesHandler:
         if persist is not None:
             await persist(final)
         return OrjsonResponse(final, headers={"x-request-id": record.request_id})
+
+    async def _open_stream(self, path: str, body: dict[str, Any], headers: Mapping[str, str],
+                           extra: Mapping[str, str], record: RequestRecord) -> UpstreamResponse | Response:
+        """The open upstream stream, or (an error before it started) the upstream's error in OpenAI's shape."""
+        up = await self.upstream.send_json(path, body, headers, stream=True, extra_headers=extra)
+        if up.ok:
+            return up
+        try:
+            err = await up.error_body()
+        finally:
+            await up.aclose()
+        record.upstream_error = f"http_{up.status_code}"
+        return OrjsonResponse(err, status_code=up.status_code)
 
     # ------------------------------------------------------------------ chat mode and enforcement
 
@@ -152,14 +159,9 @@ class ResponsesHandler:
         upstream_body = build_chat_request(body, state.ctx, history) if chat else \
             build_upstream_request(body, state.ctx, history)
         if record.stream:
-            up = await self.upstream.send_json(path, upstream_body, headers, stream=True, extra_headers=extra)
-            if not up.ok:
-                try:
-                    err = await up.error_body()
-                finally:
-                    await up.aclose()
-                record.upstream_error = f"http_{up.status_code}"
-                return OrjsonResponse(err, status_code=up.status_code)
+            up = await self._open_stream(path, upstream_body, headers, extra, record)
+            if isinstance(up, Response):
+                return up
             batches = chat_event_batches(up, self._converter(model)) if chat else responses_event_batches(up)
             return self._stream(batches, up, state, record, persist, guard)
         status, payload = await self.upstream.post_json(path, upstream_body, headers)
