@@ -86,7 +86,6 @@ class ResponsesHandler:
         record.stream = bool(body.get("stream"))
         ctx = resolve_tool_context(body)
         history = await self._history(body)
-        upstream_body = build_upstream_request(body, ctx, history)
         state = build_request_state(body, ctx, response_id=new_id("resp"), created_at=int(time.time()),
                                     max_unnamed_call_bytes=self.settings.max_unnamed_call_bytes)
         persist = self._persister(body, state) if self._should_store(body) else None
@@ -100,25 +99,7 @@ class ResponsesHandler:
             except StepError as exc:
                 record.upstream_error = f"http_{exc.status}"
                 return OrjsonResponse(exc.payload, status_code=exc.status)
-        if record.stream:
-            up = await self._open_stream("/v1/responses", upstream_body, headers, extra, record)
-            if isinstance(up, Response):
-                return up
-            return self._stream(responses_event_batches(up), up, state, record, persist, None)
-        status, payload = await self.upstream.post_json("/v1/responses", upstream_body, headers)
-        if status >= 400:
-            record.upstream_error = f"http_{status}"
-            return OrjsonResponse(payload, status_code=status)
-        if not isinstance(payload, dict):
-            raise GatewayError("The upstream answered with an unexpected body.", status=502, type="server_error",
-                               code="upstream_error")
-        final = restore_response(payload, state, output=restore_output(payload.get("output") or [], state))
-        _count_calls(record, final)
-        record.usage = final.get("usage") if isinstance(final.get("usage"), dict) else None
-        record.response_status = final.get("status")
-        if persist is not None:
-            await persist(final)
-        return OrjsonResponse(final, headers={"x-request-id": record.request_id})
+        return await self._forward(body, state, record, persist, history, headers, extra, guard=None)
 
     async def _open_stream(self, path: str, body: dict[str, Any], headers: Mapping[str, str],
                            extra: Mapping[str, str], record: RequestRecord) -> UpstreamResponse | Response:
@@ -154,6 +135,14 @@ class ResponsesHandler:
                 return self._stream(batches, up, state, record, persist, guard)
             final = self._translate_all(await enforcer.args_events(info, state), state)
             return await self._finish(final, record, persist, guard)
+        return await self._forward(body, state, record, persist, history, headers, extra, guard=guard)
+
+    async def _forward(self, body: dict[str, Any], state: RequestState, record: RequestRecord,
+                       persist: Persist | None, history: list[dict[str, Any]], headers: Mapping[str, str],
+                       extra: Mapping[str, str], *, guard: Guard | None) -> Response:
+        """Send the request to the configured upstream API and answer from what comes back (streamed or not);
+        ``guard`` checks the answer when enforcement is on."""
+        model = body.get("model") if isinstance(body.get("model"), str) else None
         chat = self.settings.upstream_api == "chat"
         path = "/v1/chat/completions" if chat else "/v1/responses"
         upstream_body = build_chat_request(body, state.ctx, history) if chat else \
