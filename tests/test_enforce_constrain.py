@@ -143,31 +143,32 @@ def test_openai_sdk_strict_stream_accepts_constrained_calls() -> None:
         assert final.output[0].type in ("function_call", "custom_tool_call")
 
 
-def test_auto_grammar_call_that_does_not_parse_is_regenerated_once_under_the_grammar() -> None:
-    """auto + a grammar custom tool: the upstream's own call is invalid; the gateway regenerates its input."""
-    request = {**client_request("enforce_custom_lark_nonstream"), "tool_choice": "auto", "stream": True}
+def test_auto_grammar_call_is_taken_over_live_under_the_grammar() -> None:
+    """auto + a grammar custom tool: the upstream's own input would not parse; the gateway takes the call over
+    when it opens, closes the upstream stream and streams a grammar-constrained input into the same item."""
+    request = {**client_request("enforce_custom_lark_stream"), "tool_choice": "auto", "stream": True}
     grammar = request["tools"][0]["format"]["definition"]
     stream = VllmStream().start()
     stream.call("fc_00000000000000a1", "chatcmpl-tool-00000000000000a1", "apply_patch",
                 args_deltas({"input": "*** Begin Patch\nnot a patch"}))
     body = stream.complete().body()
-    synthesized = load_cassette(cassette("enforce_custom_lark_nonstream"))
-    responses_answer = type(synthesized.interactions[0])(
+    recorded = load_cassette(cassette("enforce_custom_lark_stream"))  # the real vLLM's constrained stream
+    responses_answer = type(recorded.interactions[0])(
         method="POST", path="/v1/responses", request_body=None, status=200,
         headers={"content-type": "text/event-stream; charset=utf-8"}, body=body)
-    transport = CassetteTransport([type(synthesized)("synth", synthesized.path, (responses_answer,), True),
-                                   synthesized])
+    transport = CassetteTransport([type(recorded)("synth", recorded.path, (responses_answer,), True), recorded])
     with running_gateway(transport=transport, tool_choice_enforcement="constrain") as url:
         r = httpx.post(url + "/v1/responses", json=request, timeout=30)
     summary = check_stream(sse_events(r.content), request)
     [call] = summary["items"]
     assert call["type"] == "custom_tool_call" and call["id"] == "ctc_00000000000000a1"
+    assert call["status"] == "completed"
     lark.Lark(grammar, parser="earley").parse(call["input"])
     assert summary["custom_inputs"] == [call["input"]]
     paths = [q["path"] for q in transport.requests]
     assert paths == ["/v1/responses", "/v1/chat/completions"]
-    assert transport.requests[1]["body"] == synthesized.interactions[0].request_body
-    # the held call was never shown with its invalid input
+    assert transport.requests[1]["body"] == recorded.interactions[0].request_body
+    # the upstream's invalid input never reached the client
     assert "not a patch" not in r.text
 
 

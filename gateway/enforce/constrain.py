@@ -23,9 +23,10 @@ from typing import Any
 import orjson
 
 from gateway.protocol.ids import new_id
+from gateway.translate.chat import add_usage, chat_usage
 from gateway.translate.tool_context import ToolInfo
 
-__all__ = ["ContentAsCall", "args_request", "constraint_for", "pick_request"]
+__all__ = ["ContentAsCall", "InputContinuation", "args_request", "constraint_for", "pick_request"]
 
 PICK_MAX_TOKENS = 32
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
@@ -157,3 +158,100 @@ class ContentAsCall:
     @property
     def text(self) -> str:
         return "".join(self.content)
+
+
+class InputContinuation:
+    """A constrained step's chat chunks -> the rest of one *already announced* upstream call. Pure.
+
+    Used when the upstream opened a grammar custom call under ``tool_choice: auto`` and the gateway took
+    over its input (``gateway.enforce.live``): the client has seen the call's ``output_item.added`` under
+    the upstream's item id and output index; the step's ``delta.content`` pieces continue that same item as
+    ``function_call_arguments.delta`` events (the content JSON-escaped inside ``{"input": "…"}``, which the
+    translator decodes into ``custom_tool_call_input.delta``), the step's finish closes it, and the end of
+    the step's stream is the response's terminal event (the original upstream stream was closed, so
+    nothing follows the call). ``base`` is the upstream's last response snapshot; ``base_usage`` the usage
+    of earlier steps.
+    """
+
+    def __init__(self, added: Mapping[str, Any], base: Mapping[str, Any] | None,
+                 base_usage: dict[str, Any] | None = None) -> None:
+        item = dict(added.get("item") or {})
+        self.output_index: int = int(added.get("output_index") or 0)
+        self.item = item
+        self.base = dict(base or {})
+        self.base_usage = base_usage
+        self.usage: dict[str, Any] | None = None
+        self.content: list[str] = []
+        self.finish_reason: str | None = None
+        self.finished = False
+        self._closed = False
+        self._args: list[str] = ['{"input": "']
+
+    @property
+    def text(self) -> str:
+        return "".join(self.content)
+
+    def _ev(self, etype: str, payload: dict[str, Any]) -> tuple[str, str]:
+        payload["type"] = etype
+        payload["sequence_number"] = -1  # the translator numbers what it emits
+        return etype, orjson.dumps(payload).decode()
+
+    def _delta(self, piece: str) -> tuple[str, str]:
+        self._args.append(piece)
+        return self._ev("response.function_call_arguments.delta", {
+            "delta": piece, "item_id": self.item.get("id"), "output_index": self.output_index})
+
+    def start(self) -> list[tuple[str, str]]:
+        """The argument prefix: no input yet, so the client sees nothing from it."""
+        return [self._ev("response.function_call_arguments.delta", {
+            "delta": self._args[0], "item_id": self.item.get("id"), "output_index": self.output_index})]
+
+    def feed(self, chunk: Mapping[str, Any]) -> list[tuple[str, str]]:
+        if self.finished:
+            return []
+        err = chunk.get("error")
+        if isinstance(err, dict):
+            self.finished = True
+            code = err.get("code") if isinstance(err.get("code"), str) else "upstream_error"
+            return [self._ev("error", {"code": code, "message": str(err.get("message") or
+                                                                   "The upstream reported an error.")})]
+        usage = chat_usage(chunk.get("usage"))
+        if usage is not None:
+            self.usage = usage
+        out: list[tuple[str, str]] = []
+        for choice in chunk.get("choices") or ():
+            if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+                continue
+            delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else {}
+            content = delta.get("content")
+            if isinstance(content, str) and content and not self._closed:
+                self.content.append(content)
+                out.append(self._delta(orjson.dumps(content).decode()[1:-1]))
+            if choice.get("finish_reason") and not self._closed:
+                self.finish_reason = str(choice["finish_reason"])
+                out += self._close()
+        return out
+
+    def _close(self) -> list[tuple[str, str]]:
+        self._closed = True
+        out = [self._delta('"}')]
+        args = "".join(self._args)
+        self.item.update(arguments=args, status="completed")
+        out.append(self._ev("response.function_call_arguments.done", {
+            "arguments": args, "item_id": self.item.get("id"), "name": self.item.get("name"),
+            "output_index": self.output_index}))
+        out.append(self._ev("response.output_item.done", {"item": dict(self.item), "output_index": self.output_index}))
+        return out
+
+    def done(self) -> list[tuple[str, str]]:
+        """The step's stream ended: the response's terminal event (nothing if it never finished the call:
+        the translator then fails the response rather than leave the client hanging)."""
+        if self.finished or not self._closed:
+            return []
+        self.finished = True
+        cut = self.finish_reason == "length"
+        resp = dict(self.base)
+        resp.update(status="incomplete" if cut else "completed", output=[],
+                    usage=add_usage(self.base_usage, self.usage), error=None,
+                    incomplete_details={"reason": "max_output_tokens"} if cut else None)
+        return [self._ev("response.incomplete" if cut else "response.completed", {"response": resp})]

@@ -185,6 +185,32 @@ class Enforcer:
             raise StepError(up.status_code, err)
         return up
 
+    async def open_input_stream(self, info: ToolInfo, assistant_text: str) -> UpstreamResponse:
+        """The constrained step that takes over a grammar call the upstream opened under ``auto``
+        (``gateway.enforce.live``): the conversation, the assistant text streamed so far, the instruction."""
+        base = self.chat_base
+        if assistant_text:
+            base = {**base, "messages": [*base["messages"], {"role": "assistant", "content": assistant_text}]}
+        body = args_request(base, info, stream=True, max_tokens=self.max_tokens)
+        up = await self.upstream.send_json(CHAT_PATH, body, self.headers, stream=True,
+                                           extra_headers=self.extra_headers)
+        if not up.ok:
+            try:
+                err = await up.error_body()
+            finally:
+                await up.aclose()
+            raise StepError(up.status_code, err)
+        return up
+
+    def step_unavailable(self, status: int, step: str, info: ToolInfo | None, started: float | None = None) -> None:
+        """A constrained step answered an HTTP error; the request falls back to ``validate``."""
+        missing = status in (404, 405)
+        if missing:
+            _warn_no_chat_endpoint(status)
+        self.note(step, "fallback_validate", tool=info.upstream_name if info else None,
+                  reason=f"{CHAT_PATH} answered {status}" + (" (the upstream has no Chat Completions endpoint)"
+                                                            if missing else ""), started=started)
+
     async def args_events(self, info: ToolInfo, state: RequestState) -> list[Event]:
         """Non-streamed: the call's events, retried (bounded) until the call is valid."""
         events: list[Event] = []
@@ -215,6 +241,21 @@ class Enforcer:
             return None
         self._add_usage(payload)
         return _content(payload)
+
+
+_warned_no_chat = False
+
+
+def _warn_no_chat_endpoint(status: int) -> None:
+    """Once per process: constrain needs the upstream's /v1/chat/completions."""
+    global _warned_no_chat
+    if _warned_no_chat:
+        return
+    _warned_no_chat = True
+    log.warning("chat_completions_missing", status=status,
+                message=f"The upstream answered {status} for {CHAT_PATH}, which --tool-choice-enforcement "
+                        "constrain needs; such requests fall back to validate. Serve Chat Completions upstream "
+                        "or set --tool-choice-enforcement validate.")
 
 
 def _content(payload: Mapping[str, Any]) -> str:
@@ -257,59 +298,8 @@ class Guard:
     plan: Plan
     ctx: ResolvedToolContext
     enforcer: Enforcer
-    _held: dict[int, list[Event]] = field(default_factory=dict)
-
-    # -- streamed
-
-    async def filter(self, events: list[Event]) -> list[Event]:
-        """Hold a grammar custom call's events until its done event, check it, regenerate once if needed."""
-        if not self.plan.regenerate:
-            return events
-        out: list[Event] = []
-        for event in events:
-            etype, data = event
-            if not etype.startswith("response.output_item.") and not etype.startswith("response.function_call"):
-                out.append(event)
-                continue
-            d = orjson.loads(data)
-            idx = d.get("output_index")
-            if etype == "response.output_item.added":
-                item = d.get("item") or {}
-                info = self.ctx.lookup(item.get("name")) if item.get("type") == "function_call" else None
-                if info is not None and info.grammar is not None:
-                    self._held[idx] = [event]
-                    continue
-            if idx in self._held:
-                if etype != "response.output_item.done":
-                    self._held[idx].append(event)
-                    continue
-                held = self._held.pop(idx)
-                out += await self._settle_stream(held, d)
-                continue
-            out.append(event)
-        return out
-
-    async def _settle_stream(self, held: list[Event], done: dict[str, Any]) -> list[Event]:
-        item = dict(done.get("item") or {})
-        info = self.ctx.lookup(item.get("name"))
-        assert info is not None
-        new_input = await self._repair(info, final_input(str(item.get("arguments") or "")))
-        if new_input is None:
-            return [*held, ("response.output_item.done", orjson.dumps(done).decode())]
-        args = orjson.dumps({"input": new_input}).decode()
-        item["arguments"] = args
-        idx, item_id = done.get("output_index"), item.get("id")
-        added = held[0]
-        return [added,
-                ("response.function_call_arguments.delta", orjson.dumps({
-                    "type": "response.function_call_arguments.delta", "delta": args, "item_id": item_id,
-                    "output_index": idx, "sequence_number": -1}).decode()),
-                ("response.function_call_arguments.done", orjson.dumps({
-                    "type": "response.function_call_arguments.done", "arguments": args, "item_id": item_id,
-                    "output_index": idx, "name": item.get("name"), "sequence_number": -1}).decode()),
-                ("response.output_item.done", orjson.dumps({
-                    "type": "response.output_item.done", "item": item, "output_index": idx,
-                    "sequence_number": -1}).decode())]
+    # Client ids of grammar calls already checked (taken over live, or repaired): checked once only.
+    checked: set[str] = field(default_factory=set)
 
     async def _repair(self, info: ToolInfo, value: str) -> str | None:
         """None: keep the call as it is; a string: the regenerated input that replaces it."""
@@ -328,6 +318,8 @@ class Guard:
             self.enforcer.note("regenerate", "violated", tool=info.upstream_name,
                                reason="the regenerated input still does not match the grammar")
         return None
+
+    # -- streamed (nothing is held: grammar calls under auto are taken over live by gateway.enforce.live)
 
     def end(self, frames: list[bytes], final: dict[str, Any] | None) -> tuple[list[bytes], dict[str, Any] | None]:
         """The stream's last frames: a pinned violation turns the terminal event into response.failed."""
@@ -350,6 +342,7 @@ class Guard:
                     info = self.ctx.find(str(item.get("name")), item.get("namespace"))
                     if info is not None and info.grammar is not None:
                         new = await self._repair(info, str(item.get("input", "")))
+                        self.checked.add(str(item.get("id")))
                         if new is not None:
                             item = {**item, "input": new}
                 output.append(item)
@@ -369,9 +362,10 @@ class Guard:
             self.enforcer.note("validate", "unchecked" if verdict.unchecked else "valid", tool=tools,
                                reason="; ".join(verdict.unchecked) or None)
             return None
-        if self.plan.check_grammar and not self.plan.regenerate:
+        if self.plan.check_grammar:
+            # validate, or constrain where a call could not be taken over: checked (and counted) only.
             for item in output:
-                if item.get("type") != "custom_tool_call":
+                if item.get("type") != "custom_tool_call" or item.get("id") in self.checked:
                     continue
                 info, verdict = check_call(item, self.ctx)
                 if info is None or info.grammar is None:

@@ -14,6 +14,7 @@ from starlette.responses import Response
 
 from gateway.config import Settings
 from gateway.enforce.constrain import ContentAsCall
+from gateway.enforce.live import GrammarTakeover
 from gateway.enforce.runner import Enforcer, Guard, Plan, StepError, Violation, plan_for, violation_response
 from gateway.errors import GatewayError, InvalidRequest, NotFound
 from gateway.protocol.ids import new_id
@@ -25,7 +26,7 @@ from gateway.store import BrokenChainError, ResponseStore, StoredResponse
 from gateway.translate.chat import ChatToResponsesEvents, Event, build_chat_request
 from gateway.translate.restore import RequestState, build_request_state, restore_output, restore_response
 from gateway.translate.rewrite import build_upstream_request
-from gateway.translate.tool_context import resolve_tool_context
+from gateway.translate.tool_context import ToolInfo, resolve_tool_context
 from gateway.translate.translator import FunctionSseTranslator
 from gateway.upstream.chat import chat_completion_events, chat_event_batches, responses_event_batches
 from gateway.upstream.client import UpstreamClient, UpstreamResponse
@@ -84,6 +85,7 @@ class ResponsesHandler:
         body = parse_request_body(raw)
         record.model = body.get("model") if isinstance(body.get("model"), str) else None
         record.stream = bool(body.get("stream"))
+        body = await self._resolve_references(body)
         ctx = resolve_tool_context(body)
         history = await self._history(body)
         state = build_request_state(body, ctx, response_id=new_id("resp"), created_at=int(time.time()),
@@ -123,18 +125,28 @@ class ResponsesHandler:
         headers, extra = enforcer.headers, enforcer.extra_headers
         model = body.get("model") if isinstance(body.get("model"), str) else None
         if plan.constrain:
+            info: ToolInfo | None = None
             try:
                 info = await enforcer.choose_tool()
+                if record.stream:
+                    up = await enforcer.open_args_stream(info)
+                    conv = self._converter(model)
+                    conv.base_usage = enforcer.usage
+                    batches = chat_event_batches(up, conv, ContentAsCall(info).feed)
+                    return self._stream(batches, up, state, record, persist, guard)
+                final = self._translate_all(await enforcer.args_events(info, state), state)
+                return await self._finish(final, record, persist, guard)
             except Violation as exc:
                 return await self._violation(str(exc), state, record, persist)
-            if record.stream:
-                up = await enforcer.open_args_stream(info)
-                conv = self._converter(model)
-                conv.base_usage = enforcer.usage
-                batches = chat_event_batches(up, conv, ContentAsCall(info).feed)
-                return self._stream(batches, up, state, record, persist, guard)
-            final = self._translate_all(await enforcer.args_events(info, state), state)
-            return await self._finish(final, record, persist, guard)
+            except StepError as exc:
+                if exc.status not in (404, 405) or self.settings.upstream_api != "responses":
+                    raise
+                # No Chat Completions upstream: this request is answered as under validate (logged once
+                # per process, counted), never passed off as the client's own 404.
+                enforcer.step_unavailable(exc.status, "arguments" if info else "pick", info)
+                plan = plan_for(state.ctx, "validate")
+                enforcer.plan = plan
+                guard = Guard(plan, state.ctx, enforcer)
         return await self._forward(body, state, record, persist, history, headers, extra, guard=guard)
 
     async def _forward(self, body: dict[str, Any], state: RequestState, record: RequestRecord,
@@ -213,6 +225,10 @@ class ResponsesHandler:
     def _stream(self, batches: AsyncIterator[list[Event]], up: UpstreamResponse, state: RequestState,
                 record: RequestRecord, persist: Persist | None, guard: Guard | None) -> Response:
         translator = FunctionSseTranslator(state)
+        if guard is not None and guard.plan.regenerate:
+            takeover = GrammarTakeover(state.ctx, guard.enforcer, lambda: _so_far(translator))
+            guard.checked = takeover.checked
+            batches = takeover.run(batches, up)
         return SseResponse(self._pump_events(batches, up, translator, record, persist, guard),
                            headers={"x-request-id": record.request_id},
                            on_disconnect=lambda: _mark_disconnect(record))
@@ -220,18 +236,16 @@ class ResponsesHandler:
     async def _pump_events(self, batches: AsyncIterator[list[Event]], up: UpstreamResponse,
                            translator: FunctionSseTranslator, record: RequestRecord, persist: Persist | None,
                            guard: Guard | None) -> AsyncIterator[bytes]:
-        """``_pump`` for event batches (chat chunks already converted), with the guard in the loop.
+        """Client frames from upstream event batches (chat chunks already converted), written as they come.
 
-        The guard may hold a grammar call's events until it is checked, and it sees the last frames
-        (the terminal event) before the client does, so a violation becomes ``response.failed``.
+        Nothing is held here: the guard sees only the last frames (the terminal event) before the client
+        does, so a pinned violation becomes ``response.failed``.
         """
         feed = translator.feed
         try:
             out: list[bytes] = []
             try:
                 async for events in (self.drain.guard(batches) if self.drain is not None else batches):
-                    if guard is not None:
-                        events = await guard.filter(events)
                     for event, data in events:
                         out += feed(event, data)
                         if translator.finished:
@@ -289,6 +303,29 @@ class ResponsesHandler:
     def _should_store(self, body: dict[str, Any]) -> bool:
         return self.store is not None and body.get("store", True) is not False
 
+    async def _resolve_references(self, body: dict[str, Any]) -> dict[str, Any]:
+        """``item_reference`` inputs replaced by the stored items they name (any input or output item)."""
+        raw = body.get("input")
+        if not isinstance(raw, list):
+            return body
+        refs = {i: item for i, item in enumerate(raw)
+                if isinstance(item, dict) and item.get("type") == "item_reference"}
+        if not refs:
+            return body
+        for i, item in refs.items():
+            if not isinstance(item.get("id"), str) or not item["id"]:
+                raise InvalidRequest("An item_reference needs the id of a stored item.", param=f"input[{i}].id",
+                                     code="invalid_value")
+        if self.store is None:
+            raise InvalidRequest("item_reference needs a response store, and this gateway runs with --store none.",
+                                 param=f"input[{min(refs)}]", code="store_disabled")
+        found = await self.store.get_items([item["id"] for item in refs.values()])
+        for i, item in refs.items():
+            if item["id"] not in found:
+                raise InvalidRequest(f"Item with id '{item['id']}' not found.", param=f"input[{i}].id",
+                                     code="item_not_found")
+        return {**body, "input": [found[item["id"]] if i in refs else item for i, item in enumerate(raw)]}
+
     async def _history(self, body: dict[str, Any]) -> list[dict[str, Any]]:
         prev = body.get("previous_response_id")
         if not prev:
@@ -323,6 +360,14 @@ class ResponsesHandler:
                 log.error("store_write_failed", response_id=final.get("id"), error=type(exc).__name__)
 
         return persist
+
+
+def _so_far(translator: FunctionSseTranslator) -> tuple[dict[str, Any] | None, str]:
+    """The upstream's response snapshot and the assistant text streamed so far (for a takeover step)."""
+    acc = translator.acc
+    text = "".join(up.text(ci) for _, up in sorted(acc.items.items())
+                   if up.type == "message" for ci in sorted(up.texts))
+    return acc.snapshot, text
 
 
 def _mark_disconnect(record: RequestRecord) -> None:

@@ -72,12 +72,28 @@ class ResponseStore(ABC):
         """
 
     @abstractmethod
+    async def get_items(self, item_ids: list[str]) -> dict[str, dict[str, Any]]:
+        """Stored input or output items by id (``item_reference``); ids not found are left out.
+
+        An id stored by several responses (a client resending an item) resolves to the latest write.
+        """
+
+    @abstractmethod
     async def delete(self, response_id: str) -> bool:
         """Delete the record; True if it existed. Children are kept (their chains become broken)."""
 
     @abstractmethod
     async def sweep(self, older_than: int) -> int:
         """Delete every record with created_at < older_than (unix seconds); return how many."""
+
+
+def record_items(record: StoredResponse) -> list[tuple[str, dict[str, Any]]]:
+    """``(item id, item)`` for every input and output item of a record that has an id."""
+    out: list[tuple[str, dict[str, Any]]] = []
+    for item in (*record.input_items, *(record.response.get("output") or ())):
+        if isinstance(item, dict) and isinstance(item.get("id"), str) and item["id"]:
+            out.append((item["id"], item))
+    return out
 
 
 def check_chain(response_id: str, chain: list[StoredResponse], max_depth: int) -> list[StoredResponse]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from typing import Any
 
 import asyncpg
 import orjson
@@ -14,6 +15,7 @@ from gateway.store.base import (
     StoredResponse,
     StoreError,
     check_chain,
+    record_items,
 )
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
@@ -34,6 +36,22 @@ MIGRATIONS: list[tuple[str, ...]] = [
         )""",
         "CREATE INDEX IF NOT EXISTS responses_created_at ON {s}.responses (created_at)",
         "CREATE INDEX IF NOT EXISTS responses_previous ON {s}.responses (previous_response_id)",
+    ),
+    (
+        # Items by id, for item_reference inputs; rows go with their response (delete, sweep).
+        """CREATE TABLE IF NOT EXISTS {s}.response_items (
+            item_id TEXT PRIMARY KEY,
+            response_id TEXT NOT NULL,
+            item JSONB NOT NULL
+        )""",
+        "CREATE INDEX IF NOT EXISTS response_items_response ON {s}.response_items (response_id)",
+        """INSERT INTO {s}.response_items (item_id, response_id, item)
+           SELECT e->>'id', r.id, e FROM {s}.responses r, jsonb_array_elements(r.input_items) e
+           WHERE jsonb_typeof(e) = 'object' AND e ? 'id' ON CONFLICT DO NOTHING""",
+        """INSERT INTO {s}.response_items (item_id, response_id, item)
+           SELECT e->>'id', r.id, e FROM {s}.responses r, jsonb_array_elements(r.response->'output') e
+           WHERE jsonb_typeof(r.response->'output') = 'array' AND jsonb_typeof(e) = 'object' AND e ? 'id'
+           ON CONFLICT DO NOTHING""",
     ),
 ]
 
@@ -113,6 +131,13 @@ class PostgresResponseStore(ResponseStore):
         """
         self._delete_sql = f"DELETE FROM {t} WHERE id = $1"
         self._sweep_sql = f"DELETE FROM {t} WHERE created_at < $1"
+        it = f'"{schema}".response_items'
+        self._put_item_sql = (f"INSERT INTO {it} (item_id, response_id, item) VALUES ($1, $2, $3) "
+                              "ON CONFLICT (item_id) DO UPDATE SET response_id = EXCLUDED.response_id, "
+                              "item = EXCLUDED.item")
+        self._get_items_sql = f"SELECT item_id, item FROM {it} WHERE item_id = ANY($1::text[])"
+        self._delete_items_sql = f"DELETE FROM {it} WHERE response_id = $1"
+        self._sweep_items_sql = f"DELETE FROM {it} WHERE response_id IN (SELECT id FROM {t} WHERE created_at < $1)"
 
     @property
     def pool(self) -> asyncpg.Pool:
@@ -166,17 +191,21 @@ class PostgresResponseStore(ResponseStore):
             await pool.close()
 
     async def put(self, record: StoredResponse) -> None:
-        await self.pool.execute(
-            self._put_sql,
-            record.id,
-            record.created_at,
-            record.previous_response_id,
-            record.status,
-            record.response,
-            record.input_items,
-            record.tool_context,
-            record.updated_at,
-        )
+        items = [(item_id, record.id, item) for item_id, item in record_items(record)]
+        async with self.pool.acquire() as conn, conn.transaction():
+            await conn.execute(
+                self._put_sql,
+                record.id,
+                record.created_at,
+                record.previous_response_id,
+                record.status,
+                record.response,
+                record.input_items,
+                record.tool_context,
+                record.updated_at,
+            )
+            if items:
+                await conn.executemany(self._put_item_sql, items)
 
     async def get(self, response_id: str) -> StoredResponse | None:
         row = await self.pool.fetchrow(self._get_sql, response_id)
@@ -188,11 +217,22 @@ class PostgresResponseStore(ResponseStore):
         rows = await self.pool.fetch(self._chain_sql, response_id, max_depth)
         return check_chain(response_id, [_row_to_record(row) for row in rows], max_depth)
 
+    async def get_items(self, item_ids: list[str]) -> dict[str, dict[str, Any]]:
+        ids = list(dict.fromkeys(item_ids))[:1000]
+        if not ids:
+            return {}
+        rows = await self.pool.fetch(self._get_items_sql, ids)
+        return {row["item_id"]: row["item"] for row in rows}
+
     async def delete(self, response_id: str) -> bool:
-        return _count(await self.pool.execute(self._delete_sql, response_id)) > 0
+        async with self.pool.acquire() as conn, conn.transaction():
+            await conn.execute(self._delete_items_sql, response_id)
+            return _count(await conn.execute(self._delete_sql, response_id)) > 0
 
     async def sweep(self, older_than: int) -> int:
-        return _count(await self.pool.execute(self._sweep_sql, older_than))
+        async with self.pool.acquire() as conn, conn.transaction():
+            await conn.execute(self._sweep_items_sql, older_than)
+            return _count(await conn.execute(self._sweep_sql, older_than))
 
 
 def _count(status: str) -> int:

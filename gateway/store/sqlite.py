@@ -17,6 +17,7 @@ from gateway.store.base import (
     StoredResponse,
     StoreError,
     check_chain,
+    record_items,
 )
 
 T = TypeVar("T")
@@ -36,6 +37,21 @@ MIGRATIONS: list[tuple[str, ...]] = [
         )""",
         "CREATE INDEX IF NOT EXISTS responses_created_at ON responses (created_at)",
         "CREATE INDEX IF NOT EXISTS responses_previous ON responses (previous_response_id)",
+    ),
+    (
+        # Items by id, for item_reference inputs; rows go with their response (delete, sweep).
+        """CREATE TABLE IF NOT EXISTS response_items (
+            item_id TEXT PRIMARY KEY,
+            response_id TEXT NOT NULL,
+            item TEXT NOT NULL
+        )""",
+        "CREATE INDEX IF NOT EXISTS response_items_response ON response_items (response_id)",
+        """INSERT OR IGNORE INTO response_items (item_id, response_id, item)
+           SELECT json_extract(j.value, '$.id'), r.id, j.value FROM responses r, json_each(r.input_items) j
+           WHERE json_extract(j.value, '$.id') IS NOT NULL""",
+        """INSERT OR IGNORE INTO response_items (item_id, response_id, item)
+           SELECT json_extract(j.value, '$.id'), r.id, j.value FROM responses r, json_each(r.response, '$.output') j
+           WHERE json_extract(j.value, '$.id') IS NOT NULL""",
     ),
 ]
 
@@ -167,16 +183,30 @@ class SqliteResponseStore(ResponseStore):
             None if record.tool_context is None else _dumps(record.tool_context),
             record.updated_at,
         )
-        await self._run(
-            lambda db: db.execute(
-                f"INSERT INTO responses ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
-                "ON CONFLICT (id) DO UPDATE SET created_at = excluded.created_at, "
-                "previous_response_id = excluded.previous_response_id, status = excluded.status, "
-                "response = excluded.response, input_items = excluded.input_items, "
-                "tool_context = excluded.tool_context, updated_at = excluded.updated_at",
-                params,
-            )
-        )
+        items = [(item_id, record.id, _dumps(item)) for item_id, item in record_items(record)]
+
+        def write(db: sqlite3.Connection) -> None:
+            db.execute("BEGIN")
+            try:
+                db.execute(
+                    f"INSERT INTO responses ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
+                    "ON CONFLICT (id) DO UPDATE SET created_at = excluded.created_at, "
+                    "previous_response_id = excluded.previous_response_id, status = excluded.status, "
+                    "response = excluded.response, input_items = excluded.input_items, "
+                    "tool_context = excluded.tool_context, updated_at = excluded.updated_at",
+                    params,
+                )
+                db.executemany(
+                    "INSERT INTO response_items (item_id, response_id, item) VALUES (?, ?, ?) "
+                    "ON CONFLICT (item_id) DO UPDATE SET response_id = excluded.response_id, item = excluded.item",
+                    items,
+                )
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+
+        await self._run(write)
 
     async def get(self, response_id: str) -> StoredResponse | None:
         row = await self._run(
@@ -190,11 +220,26 @@ class SqliteResponseStore(ResponseStore):
         rows = await self._run(lambda db: db.execute(_CHAIN_SQL, (response_id, max_depth)).fetchall())
         return check_chain(response_id, [_row_to_record(row) for row in rows], max_depth)
 
+    async def get_items(self, item_ids: list[str]) -> dict[str, dict[str, Any]]:
+        ids = list(dict.fromkeys(item_ids))[:1000]
+        if not ids:
+            return {}
+        marks = ", ".join("?" * len(ids))
+        rows = await self._run(lambda db: db.execute(
+            f"SELECT item_id, item FROM response_items WHERE item_id IN ({marks})", ids).fetchall())
+        return {row[0]: orjson.loads(row[1]) for row in rows}
+
     async def delete(self, response_id: str) -> bool:
-        count = await self._run(lambda db: db.execute("DELETE FROM responses WHERE id = ?", (response_id,)).rowcount)
-        return count > 0
+        def run(db: sqlite3.Connection) -> int:
+            db.execute("DELETE FROM response_items WHERE response_id = ?", (response_id,))
+            return db.execute("DELETE FROM responses WHERE id = ?", (response_id,)).rowcount
+
+        return await self._run(run) > 0
 
     async def sweep(self, older_than: int) -> int:
-        return await self._run(
-            lambda db: db.execute("DELETE FROM responses WHERE created_at < ?", (older_than,)).rowcount
-        )
+        def run(db: sqlite3.Connection) -> int:
+            db.execute("DELETE FROM response_items WHERE response_id IN "
+                       "(SELECT id FROM responses WHERE created_at < ?)", (older_than,))
+            return db.execute("DELETE FROM responses WHERE created_at < ?", (older_than,)).rowcount
+
+        return await self._run(run)

@@ -26,6 +26,7 @@ from gateway.errors import InvalidRequest
 from gateway.protocol.ids import new_id
 from gateway.translate.rewrite import upstream_input_items, upstream_tools
 from gateway.translate.tool_context import ResolvedToolContext
+from gateway.translate.usage import add_usage
 
 __all__ = [
     "ChatToResponsesEvents",
@@ -35,6 +36,7 @@ __all__ = [
     "chat_messages",
     "chat_tool",
     "chat_tool_choice",
+    "chat_usage",
     "completion_to_chunks",
 ]
 
@@ -234,7 +236,8 @@ def build_chat_request(body: Mapping[str, Any], ctx: ResolvedToolContext, histor
 # ---------------------------------------------------------------------------------------------- chunks -> events
 
 
-def _usage(u: Any) -> dict[str, Any] | None:
+def chat_usage(u: Any) -> dict[str, Any] | None:
+    """A chat completion's usage in the Responses shape (numbers only in the details)."""
     if not isinstance(u, dict):
         return None
     details = u.get("completion_tokens_details") if isinstance(u.get("completion_tokens_details"), dict) else {}
@@ -247,20 +250,6 @@ def _usage(u: Any) -> dict[str, Any] | None:
         "output_tokens_details": {"reasoning_tokens": int(details.get("reasoning_tokens") or 0)},
         "total_tokens": int(u.get("total_tokens") or inp + out),
     }
-
-
-def add_usage(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The sum of two Responses usage objects (a constrained answer is several upstream requests)."""
-    if a is None or b is None:
-        return a or b
-    out = dict(a)
-    for key in ("input_tokens", "output_tokens", "total_tokens"):
-        out[key] = int(a.get(key) or 0) + int(b.get(key) or 0)
-    out["input_tokens_details"] = {"cached_tokens": a["input_tokens_details"]["cached_tokens"]
-                                   + b["input_tokens_details"]["cached_tokens"]}
-    out["output_tokens_details"] = {"reasoning_tokens": a["output_tokens_details"]["reasoning_tokens"]
-                                    + b["output_tokens_details"]["reasoning_tokens"]}
-    return out
 
 
 @dataclass(slots=True)
@@ -379,7 +368,7 @@ class ChatToResponsesEvents:
                 err.get("code"), str) else "upstream_error", "message": str(err.get("message") or
                 "The upstream reported an error."), "sequence_number": self._seq}).decode())]
         out = self._start(chunk)
-        usage = _usage(chunk.get("usage"))
+        usage = chat_usage(chunk.get("usage"))
         if usage is not None:
             self.usage = usage
         for choice in chunk.get("choices") or ():

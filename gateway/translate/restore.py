@@ -14,10 +14,12 @@ from typing import Any
 from gateway.protocol.ids import custom_call_item_id
 from gateway.translate.custom_input import InputDecoder, final_input
 from gateway.translate.tool_context import ResolvedToolContext, ToolInfo
+from gateway.translate.usage import normalize_usage
 
 __all__ = ["RequestState", "build_request_state", "client_call_item", "restore_output", "restore_response"]
 
 # Upstream-only keys that must not reach the client (input_messages would echo the normalized prompt).
+_ITEM_STATUSES = ("in_progress", "completed", "incomplete")
 _UPSTREAM_ONLY = ("input_messages", "output_messages", "kv_transfer_params", "ec_transfer_params")
 
 
@@ -66,6 +68,9 @@ def client_call_item(item: Mapping[str, Any], info: ToolInfo | None, input_value
             "call_id": item.get("call_id"),
             "name": info.name,
             "input": input_value if input_value is not None else final_input(str(item.get("arguments") or "")),
+            # Not in the output-item schema, but the stored item form requires it and the AI SDK drops a
+            # custom call without "status": "completed" on output_item.done.
+            "status": item.get("status") if item.get("status") in _ITEM_STATUSES else "completed",
         }
         if info.namespace:
             out["namespace"] = info.namespace
@@ -91,7 +96,7 @@ def restore_response(upstream: Mapping[str, Any] | None, state: RequestState, *,
     r.setdefault("incomplete_details", None)
     r.setdefault("temperature", None)
     r.setdefault("top_p", None)
-    r.setdefault("usage", None)
+    r["usage"] = normalize_usage(r.get("usage"))
     if status is not None:
         r["status"] = status
     r.setdefault("status", "in_progress")

@@ -295,6 +295,7 @@ class FunctionSseTranslator:
             st.decoder = InputDecoder()
             self.stats.custom_calls += 1
             item = client_call_item(base, st.info, "")
+            item["status"] = "in_progress"
         else:
             st.kind = "function"
             self.stats.function_calls += 1
@@ -503,6 +504,7 @@ class FunctionSseTranslator:
         if st.kind == "custom":
             out += self._custom_done(st, up.arguments)
             final = client_call_item({**up.item, "name": up.name}, st.info, st.input_done)
+            final["status"] = status
         elif st.kind == "function":
             out += self._args_done(st)
             final = client_call_item({**up.item, "name": up.name, "arguments": up.arguments}, st.info)

@@ -1,0 +1,178 @@
+"""Grammar custom calls under ``tool_choice: auto`` with ``constrain``: live, and matching their grammar.
+
+The model decides *whether* to call a grammar tool (``auto``), but vLLM cannot constrain a function's
+string argument to a Lark or regex grammar. Holding the call until its end to check it (the old design)
+turned Codex's live patch preview into one lump and needed an unbounded buffer. Instead, the gateway
+takes the call over at the moment it is opened:
+
+1. The upstream stream is read as usual; every frame goes to the client as soon as it arrives.
+2. When it opens a ``function_call`` of a grammar custom tool (the name is known at
+   ``output_item.added``), that frame is passed on — the client sees the call open under its ``ctc_``
+   id — and the gateway opens the constrained step: ``/v1/chat/completions`` with
+   ``structured_outputs: {"grammar": …}`` (or ``{"regex": …}``), given the conversation plus the
+   assistant text streamed so far (vLLM's prefix cache makes that prefill cheap).
+3. Once the step answers, the upstream stream is closed (vLLM aborts that generation) and the step's
+   content streams into the *same* item as its input deltas (``InputContinuation``); the end of the
+   step's stream is the response's terminal event. The input is checked once, when it is complete.
+
+If the step cannot be opened (no ``/v1/chat/completions`` upstream, an HTTP error), nothing was lost:
+the upstream stream is still open and is read on, and the call is checked at its end as under
+``validate`` (logged, counted). Nothing here buffers beyond the frames of one read.
+
+A call whose name arrives only after its arguments is left to the translator's bounded hold and is
+checked at the end (it cannot be taken over before it is known to be a grammar call).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import orjson
+import structlog
+
+from gateway.enforce.constrain import InputContinuation
+from gateway.enforce.validate import check_input
+from gateway.protocol.ids import custom_call_item_id
+from gateway.protocol.sse import SseParser
+from gateway.translate.chat import Event
+from gateway.translate.tool_context import ResolvedToolContext, ToolInfo
+from gateway.upstream.client import UpstreamResponse
+
+if TYPE_CHECKING:
+    from gateway.enforce.runner import Enforcer
+
+log = structlog.get_logger("gateway.enforce")
+
+__all__ = ["GrammarTakeover"]
+
+ADDED = "response.output_item.added"
+
+# (upstream response snapshot, assistant text streamed so far) — read off the translator's accumulator.
+SoFar = Callable[[], tuple[dict[str, Any] | None, str]]
+OpenStep = Callable[[ToolInfo, str], Awaitable[UpstreamResponse | None]]
+
+
+class GrammarTakeover:
+    """Wraps an upstream event-batch iterator; see the module docstring."""
+
+    def __init__(self, ctx: ResolvedToolContext, enforcer: Enforcer, so_far: SoFar,
+                 open_step: OpenStep | None = None) -> None:
+        self.ctx = ctx
+        self.enforcer = enforcer
+        self.so_far = so_far
+        self.open_step: OpenStep = open_step or enforcer.open_input_stream
+        self.checked: set[str] = set()  # client item ids of calls taken over (checked here, once)
+        self.taken_over = False
+
+    def _grammar_call(self, data: str) -> tuple[dict[str, Any], ToolInfo] | None:
+        if '"function_call"' not in data:  # cheap: only call openings are parsed
+            return None
+        d = orjson.loads(data)
+        item = d.get("item")
+        if not isinstance(item, dict) or item.get("type") != "function_call" or not item.get("name"):
+            return None
+        info = self.ctx.lookup(item["name"])
+        if info is None or info.kind != "custom" or info.grammar is None:
+            return None
+        if not isinstance(d.get("output_index"), int):
+            return None
+        return d, info
+
+    async def run(self, batches: AsyncIterator[list[Event]], up: UpstreamResponse) -> AsyncIterator[list[Event]]:
+        try:
+            async for events in batches:
+                for i, (etype, data) in enumerate(events):
+                    if etype != ADDED:
+                        continue
+                    found = self._grammar_call(data)
+                    if found is None:
+                        continue
+                    # Show everything up to and including the call's opening now; the pump feeds it to
+                    # the translator before we resume, so so_far() includes this batch's text.
+                    yield events[: i + 1]
+                    step = await self._open(found[1])
+                    if step is None:  # fall back: read the upstream on; the guard checks the call at its end
+                        if events[i + 1:]:
+                            yield events[i + 1:]
+                        async for rest in batches:
+                            yield rest
+                        return
+                    await up.aclose()  # vLLM aborts the generation it no longer needs
+                    self.taken_over = True
+                    async for out in self._continue(step, *found):
+                        yield out
+                    return
+                yield events
+        finally:
+            aclose = getattr(batches, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+    async def _open(self, info: ToolInfo) -> UpstreamResponse | None:
+        from gateway.enforce.runner import StepError  # runner imports this module
+
+        _, text = self.so_far()
+        started = time.perf_counter()
+        try:
+            return await self.open_step(info, text)
+        except StepError as exc:
+            self.enforcer.step_unavailable(exc.status, "input", info, started)
+            return None
+        except Exception as exc:  # a transport failure: the upstream stream still answers the request
+            self.enforcer.note("input", "step_failed", tool=info.upstream_name, reason=type(exc).__name__,
+                               started=started)
+            return None
+
+    async def _continue(self, step: UpstreamResponse, added: dict[str, Any], info: ToolInfo
+                        ) -> AsyncIterator[list[Event]]:
+        snapshot, _ = self.so_far()
+        cont = InputContinuation(added, snapshot, self.enforcer.usage)
+        parser = SseParser()
+        started = time.perf_counter()
+        try:
+            first = cont.start()
+            async for raw in step.response.aiter_bytes():
+                out: list[Event] = list(first)
+                first = []
+                for _event, data in parser.feed(raw):
+                    out += _chunk(cont, data)
+                if out:
+                    yield out
+            out = []
+            for _event, data in parser.close():
+                out += _chunk(cont, data)
+            out += cont.done()
+            if out:
+                yield out
+        finally:
+            await step.aclose()
+            if cont.finish_reason is not None:
+                self._check(cont, info, started)
+
+    def _check(self, cont: InputContinuation, info: ToolInfo, started: float) -> None:
+        item = cont.item
+        self.checked.add(custom_call_item_id(item.get("id"), item.get("call_id")))
+        verdict = check_input(info, cont.text)
+        cut = cont.finish_reason == "length"
+        if verdict.unchecked:
+            outcome, reason = "unchecked", verdict.unchecked
+        elif verdict.ok and not cut:
+            outcome, reason = "constrained", None
+        else:
+            outcome = "violated"
+            reason = "the constrained input was cut at the token limit" if cut else verdict.reason
+        self.enforcer.note("input", outcome, tool=info.upstream_name, reason=reason, started=started)
+
+
+def _chunk(cont: InputContinuation, data: str) -> list[Event]:
+    if data.strip() == "[DONE]":
+        return cont.done()
+    try:
+        chunk = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        cont.finished = True
+        return [("error", '{"type":"error","code":"upstream_malformed_event","message":"The upstream sent a chunk '
+                          'that is not valid JSON."}')]
+    return cont.feed(chunk) if isinstance(chunk, dict) else []
