@@ -203,6 +203,22 @@ async def test_round_trip(store: ResponseStore) -> None:
     )
 
 
+async def test_items_by_id_for_item_reference(store: ResponseStore) -> None:
+    rec = realistic_record()
+    await store.put(rec)
+    got = await store.get_items(["ctc_0123456789abcdef", "msg_in_1", "rs_abc", "ctco_1", "nope"])
+    assert set(got) == {"ctc_0123456789abcdef", "msg_in_1", "rs_abc", "ctco_1"}
+    assert got["ctc_0123456789abcdef"] == rec.response["output"][1]
+    assert got["msg_in_1"] == rec.input_items[0]
+    assert await store.get_items([]) == {}
+    # the items go with their response
+    assert await store.delete(rec.id)
+    assert await store.get_items(["msg_in_1", "ctc_0123456789abcdef"]) == {}
+    await store.put(dataclasses.replace(rec, created_at=10))
+    assert await store.sweep(older_than=11) == 1
+    assert await store.get_items(["msg_in_1"]) == {}
+
+
 async def test_put_replaces(store: ResponseStore) -> None:
     await store.put(record("resp_1", status="in_progress", text="partial"))
     final = record("resp_1", status="completed", text="complete answer")
@@ -486,3 +502,29 @@ async def test_sweeper_against_store(store: ResponseStore) -> None:
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
+
+
+async def test_sqlite_upgrade_indexes_items_stored_before_the_item_table(tmp_path: Path) -> None:
+    import sqlite3
+
+    from gateway.store.sqlite import MIGRATIONS as SQLITE_MIGRATIONS
+
+    path = tmp_path / "old.db"
+    rec = realistic_record()
+    db = sqlite3.connect(path, isolation_level=None)
+    db.execute("CREATE TABLE schema_version (id INTEGER PRIMARY KEY CHECK (id = 1), version INTEGER NOT NULL)")
+    for statement in SQLITE_MIGRATIONS[0]:
+        db.execute(statement)
+    db.execute("INSERT INTO schema_version VALUES (1, 1)")
+    db.execute("INSERT INTO responses VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+               (rec.id, rec.created_at, rec.updated_at, rec.previous_response_id, rec.status,
+                orjson.dumps(rec.response).decode(), orjson.dumps(rec.input_items).decode(), None))
+    db.close()
+    store = SqliteResponseStore(path)
+    await store.start()
+    try:
+        got = await store.get_items(["ctc_0123456789abcdef", "msg_in_1"])
+        assert got["ctc_0123456789abcdef"]["input"] == rec.response["output"][1]["input"]
+        assert got["msg_in_1"] == rec.input_items[0]
+    finally:
+        await store.close()

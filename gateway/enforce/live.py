@@ -25,6 +25,7 @@ checked at the end (it cannot be taken over before it is known to be a grammar c
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -101,8 +102,9 @@ class GrammarTakeover:
                         return
                     await up.aclose()  # vLLM aborts the generation it no longer needs
                     self.taken_over = True
-                    async for out in self._continue(step, *found):
-                        yield out
+                    async with contextlib.aclosing(self._continue(step, *found)) as continued:
+                        async for out in continued:
+                            yield out
                     return
                 yield events
         finally:
@@ -131,25 +133,28 @@ class GrammarTakeover:
         cont = InputContinuation(added, snapshot, self.enforcer.usage)
         parser = SseParser()
         started = time.perf_counter()
+        checked = False
         try:
-            first = cont.start()
+            out: list[Event] = cont.start()
             async for raw in step.response.aiter_bytes():
-                out: list[Event] = list(first)
-                first = []
                 for _event, data in parser.feed(raw):
                     out += _chunk(cont, data)
+                if cont.finish_reason is not None and not checked:
+                    checked = True  # before the call's done event reaches the client (and the metric)
+                    self._check(cont, info, started)
                 if out:
                     yield out
-            out = []
+                    out = []
             for _event, data in parser.close():
                 out += _chunk(cont, data)
+            if cont.finish_reason is not None and not checked:
+                checked = True
+                self._check(cont, info, started)
             out += cont.done()
             if out:
                 yield out
         finally:
             await step.aclose()
-            if cont.finish_reason is not None:
-                self._check(cont, info, started)
 
     def _check(self, cont: InputContinuation, info: ToolInfo, started: float) -> None:
         item = cont.item
