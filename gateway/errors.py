@@ -59,6 +59,19 @@ class PayloadTooLarge(GatewayError):
     code = "request_too_large"
 
 
+class UnsupportedContentEncoding(GatewayError):
+    """A request body in a ``Content-Encoding`` the gateway cannot decode."""
+
+    status = 415
+    code = "unsupported_content_encoding"
+
+
+class InvalidBodyEncoding(InvalidRequest):
+    """A request body that does not decode in the coding its ``Content-Encoding`` names."""
+
+    code = "invalid_body_encoding"
+
+
 class RateLimited(GatewayError):
     status = 429
     type = "rate_limit_error"
