@@ -1,4 +1,5 @@
-"""Stored Responses: the ResponseStore interface, its SQLite and PostgreSQL backends, and open_store()."""
+"""Stored Responses and Conversations: the ResponseStore interface, its SQLite and PostgreSQL backends,
+and open_store()."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ from gateway.store.base import (
     DEFAULT_MAX_CHAIN_DEPTH,
     BrokenChainError,
     ChainTooDeepError,
+    CursorNotFoundError,
     ResponseStore,
+    StoredConversation,
     StoredResponse,
     StoreError,
 )
@@ -17,10 +20,12 @@ __all__ = [
     "DEFAULT_MAX_CHAIN_DEPTH",
     "BrokenChainError",
     "ChainTooDeepError",
+    "CursorNotFoundError",
     "PostgresResponseStore",
     "ResponseStore",
     "SqliteResponseStore",
     "StoreError",
+    "StoredConversation",
     "StoredResponse",
     "open_store",
     "run_sweeper",

@@ -1,4 +1,11 @@
-"""The storage interface for stored Responses (previous_response_id, GET/DELETE /v1/responses/{id})."""
+"""The storage interface for stored Responses (previous_response_id, GET/DELETE /v1/responses/{id}) and
+Conversations (/v1/conversations).
+
+Ownership: every read, continuation and delete takes an optional ``owner`` (the keyed hash of the caller's
+gateway API key, see gateway/server/auth.py). ``owner=None`` means single-tenant: no filter, everything is
+visible. A given owner sees only rows written with that owner; another owner's row answers exactly as a
+missing one (None, [], False), so an id's existence never leaks across tenants.
+"""
 
 from __future__ import annotations
 
@@ -21,6 +28,22 @@ class StoredResponse:
     input_items: list[dict[str, Any]]  # the request's input items in public form, each with an "id"
     tool_context: dict[str, Any] | None  # opaque to the store; JSON-able
     updated_at: int
+    owner: str | None = None  # keyed hash of the API key that created it; None: single-tenant
+
+
+@dataclass(frozen=True, slots=True)
+class StoredConversation:
+    """One conversation's own row; its items live in their own table, ordered by position."""
+
+    id: str
+    created_at: int
+    updated_at: int  # bumped by every change (items added or deleted, metadata); the TTL sweep keys on it
+    metadata: dict[str, Any]
+    owner: str | None = None
+
+    def public(self) -> dict[str, Any]:
+        """OpenAI's ``conversation`` object."""
+        return {"id": self.id, "object": "conversation", "created_at": self.created_at, "metadata": self.metadata}
 
 
 class StoreError(Exception):
@@ -44,6 +67,14 @@ class ChainTooDeepError(StoreError):
         self.max_depth = max_depth
 
 
+class CursorNotFoundError(StoreError):
+    """``after`` names no item of the conversation being listed."""
+
+    def __init__(self, item_id: str) -> None:
+        super().__init__(f"no item {item_id!r} in this conversation")
+        self.item_id = item_id
+
+
 class ResponseStore(ABC):
     """Persistence of Responses. Call start() before anything else and close() at shutdown."""
 
@@ -60,31 +91,86 @@ class ResponseStore(ABC):
         """Insert or replace the record with this id; committed durably when it returns."""
 
     @abstractmethod
-    async def get(self, response_id: str) -> StoredResponse | None:
-        """The record, or None if there is none."""
+    async def get(self, response_id: str, owner: str | None = None) -> StoredResponse | None:
+        """The record, or None if there is none (or it belongs to another owner)."""
 
     @abstractmethod
-    async def get_chain(self, response_id: str, max_depth: int = DEFAULT_MAX_CHAIN_DEPTH) -> list[StoredResponse]:
+    async def get_chain(self, response_id: str, max_depth: int = DEFAULT_MAX_CHAIN_DEPTH,
+                        owner: str | None = None) -> list[StoredResponse]:
         """The record and its ancestors via previous_response_id, oldest first, in one query.
 
-        Returns [] if response_id itself is unknown. Raises BrokenChainError if an ancestor is
-        missing, ChainTooDeepError if the chain has more than max_depth records.
+        Returns [] if response_id itself is unknown (or another owner's). Raises BrokenChainError if an
+        ancestor is missing, ChainTooDeepError if the chain has more than max_depth records.
         """
 
     @abstractmethod
-    async def get_items(self, item_ids: list[str]) -> dict[str, dict[str, Any]]:
+    async def get_items(self, item_ids: list[str], owner: str | None = None) -> dict[str, dict[str, Any]]:
         """Stored input or output items by id (``item_reference``); ids not found are left out.
 
-        An id stored by several responses (a client resending an item) resolves to the latest write.
+        An id stored by several responses (a client resending an item) resolves to the latest write of the
+        same owner (another owner's write never replaces it). Ids no response holds are looked up in the
+        owner's conversations.
         """
 
     @abstractmethod
-    async def delete(self, response_id: str) -> bool:
+    async def delete(self, response_id: str, owner: str | None = None) -> bool:
         """Delete the record; True if it existed. Children are kept (their chains become broken)."""
 
     @abstractmethod
     async def sweep(self, older_than: int) -> int:
-        """Delete every record with created_at < older_than (unix seconds); return how many."""
+        """Delete every response with created_at < older_than (unix seconds) and every conversation with
+        updated_at < older_than (created and not changed since), with their items; return how many."""
+
+    # ------------------------------------------------------------------ conversations
+
+    @abstractmethod
+    async def create_conversation(self, conversation: StoredConversation, items: list[dict[str, Any]]) -> None:
+        """Insert the conversation and its first items (each with an "id"), atomically."""
+
+    @abstractmethod
+    async def get_conversation(self, conversation_id: str, owner: str | None = None) -> StoredConversation | None:
+        """The conversation, or None if there is none (or it is another owner's)."""
+
+    @abstractmethod
+    async def update_conversation(self, conversation_id: str, metadata: dict[str, Any], updated_at: int,
+                                  owner: str | None = None) -> StoredConversation | None:
+        """Replace the metadata; the updated conversation, or None if there is none."""
+
+    @abstractmethod
+    async def delete_conversation(self, conversation_id: str, owner: str | None = None) -> bool:
+        """Delete the conversation and all its items; True if it existed."""
+
+    @abstractmethod
+    async def append_conversation_items(self, conversation_id: str, items: list[dict[str, Any]], updated_at: int,
+                                        owner: str | None = None) -> bool:
+        """Append items (each with an "id") after the conversation's last one, atomically and in order.
+
+        Concurrent appends to one conversation are serialized (none is lost; each batch stays contiguous,
+        in commit order). An item whose id the conversation already holds is skipped: it is the same item.
+        False if the conversation does not exist (or is another owner's); nothing is written then.
+        """
+
+    @abstractmethod
+    async def get_conversation_items(self, conversation_id: str, owner: str | None = None
+                                     ) -> list[dict[str, Any]] | None:
+        """Every item in order (the history of a response created with ``conversation``), or None."""
+
+    @abstractmethod
+    async def list_conversation_items(self, conversation_id: str, *, limit: int, order: str = "desc",
+                                      after: str | None = None, owner: str | None = None
+                                      ) -> tuple[list[dict[str, Any]], bool] | None:
+        """One page (``order`` "asc" or "desc", items after the item ``after``) and whether more follow;
+        None if there is no such conversation. Raises CursorNotFoundError for an unknown ``after``."""
+
+    @abstractmethod
+    async def get_conversation_item(self, conversation_id: str, item_id: str, owner: str | None = None
+                                    ) -> dict[str, Any] | None:
+        """One item of the conversation, or None."""
+
+    @abstractmethod
+    async def delete_conversation_item(self, conversation_id: str, item_id: str, updated_at: int,
+                                       owner: str | None = None) -> bool:
+        """Remove one item; True if the conversation held it."""
 
 
 def record_items(record: StoredResponse) -> list[tuple[str, dict[str, Any]]]:

@@ -1,4 +1,9 @@
-"""PostgreSQL ResponseStore: asyncpg pool, JSONB columns, self-migrating schema."""
+"""PostgreSQL ResponseStore: asyncpg pool, JSONB columns, self-migrating schema.
+
+Appends to a conversation reserve their positions with one ``UPDATE … RETURNING next_position`` on the
+conversation's row: the row lock serializes concurrent appends (from any replica) until each commits, so
+none is lost and each batch stays contiguous in commit order. Deletes take that row first for the same reason.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +16,9 @@ import orjson
 
 from gateway.store.base import (
     DEFAULT_MAX_CHAIN_DEPTH,
+    CursorNotFoundError,
     ResponseStore,
+    StoredConversation,
     StoredResponse,
     StoreError,
     check_chain,
@@ -53,9 +60,40 @@ MIGRATIONS: list[tuple[str, ...]] = [
            WHERE jsonb_typeof(r.response->'output') = 'array' AND jsonb_typeof(e) = 'object' AND e ? 'id'
            ON CONFLICT DO NOTHING""",
     ),
+    (
+        # Ownership (keyed hash of the gateway API key; NULL without gateway keys) and Conversations.
+        "ALTER TABLE {s}.responses ADD COLUMN IF NOT EXISTS owner TEXT",
+        "ALTER TABLE {s}.response_items ADD COLUMN IF NOT EXISTS owner TEXT",
+        """CREATE TABLE IF NOT EXISTS {s}.conversations (
+            id TEXT PRIMARY KEY,
+            owner TEXT,
+            created_at BIGINT NOT NULL,
+            updated_at BIGINT NOT NULL,
+            metadata JSONB NOT NULL,
+            next_position BIGINT NOT NULL DEFAULT 0
+        )""",
+        "CREATE INDEX IF NOT EXISTS conversations_updated_at ON {s}.conversations (updated_at)",
+        """CREATE TABLE IF NOT EXISTS {s}.conversation_items (
+            conversation_id TEXT NOT NULL,
+            item_id TEXT NOT NULL,
+            position BIGINT NOT NULL,
+            item JSONB NOT NULL,
+            PRIMARY KEY (conversation_id, item_id)
+        )""",
+        "CREATE UNIQUE INDEX IF NOT EXISTS conversation_items_position "
+        "ON {s}.conversation_items (conversation_id, position)",
+        "CREATE INDEX IF NOT EXISTS conversation_items_item ON {s}.conversation_items (item_id)",
+    ),
 ]
 
-_COLUMNS = "id, created_at, previous_response_id, status, response, input_items, tool_context, updated_at"
+_COLUMNS = "id, created_at, previous_response_id, status, response, input_items, tool_context, updated_at, owner"
+_CONV_COLUMNS = "id, created_at, updated_at, metadata, owner"
+_MAX_POSITION = 2**62
+
+
+def _owned(n: int, column: str = "owner") -> str:
+    """The owner filter on parameter $n: no owner given means single-tenant, no filter."""
+    return f"(${n}::text IS NULL OR {column} = ${n})"
 
 
 def _lock_key(schema: str) -> int:
@@ -95,7 +133,13 @@ def _row_to_record(row: asyncpg.Record) -> StoredResponse:
         input_items=row["input_items"],
         tool_context=row["tool_context"],
         updated_at=row["updated_at"],
+        owner=row["owner"],
     )
+
+
+def _row_to_conversation(row: asyncpg.Record) -> StoredConversation:
+    return StoredConversation(id=row["id"], created_at=row["created_at"], updated_at=row["updated_at"],
+                              metadata=row["metadata"], owner=row["owner"])
 
 
 class PostgresResponseStore(ResponseStore):
@@ -111,33 +155,64 @@ class PostgresResponseStore(ResponseStore):
         self._pool: asyncpg.Pool | None = None
         t = f'"{schema}".responses'
         self._put_sql = (
-            f"INSERT INTO {t} ({_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8) "
+            f"INSERT INTO {t} ({_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) "
             "ON CONFLICT (id) DO UPDATE SET created_at = EXCLUDED.created_at, "
             "previous_response_id = EXCLUDED.previous_response_id, status = EXCLUDED.status, "
             "response = EXCLUDED.response, input_items = EXCLUDED.input_items, "
-            "tool_context = EXCLUDED.tool_context, updated_at = EXCLUDED.updated_at"
+            "tool_context = EXCLUDED.tool_context, updated_at = EXCLUDED.updated_at, owner = EXCLUDED.owner"
         )
-        self._get_sql = f"SELECT {_COLUMNS} FROM {t} WHERE id = $1"
+        self._get_sql = f"SELECT {_COLUMNS} FROM {t} WHERE id = $1 AND {_owned(2)}"
         self._chain_sql = f"""
             WITH RECURSIVE chain AS (
-                SELECT 0 AS depth, {_COLUMNS} FROM {t} WHERE id = $1
+                SELECT 0 AS depth, {_COLUMNS} FROM {t} WHERE id = $1 AND {_owned(3)}
                 UNION ALL
                 SELECT c.depth + 1, r.id, r.created_at, r.previous_response_id, r.status, r.response,
-                       r.input_items, r.tool_context, r.updated_at
+                       r.input_items, r.tool_context, r.updated_at, r.owner
                 FROM {t} r JOIN chain c ON r.id = c.previous_response_id
-                WHERE c.depth + 1 < $2
+                WHERE c.depth + 1 < $2 AND {_owned(3, "r.owner")}
             )
             SELECT {_COLUMNS} FROM chain ORDER BY depth
         """
-        self._delete_sql = f"DELETE FROM {t} WHERE id = $1"
+        self._delete_sql = f"DELETE FROM {t} WHERE id = $1 AND {_owned(2)}"
         self._sweep_sql = f"DELETE FROM {t} WHERE created_at < $1"
         it = f'"{schema}".response_items'
-        self._put_item_sql = (f"INSERT INTO {it} (item_id, response_id, item) VALUES ($1, $2, $3) "
+        # Another owner's item with the same id is never replaced (nor taken over).
+        self._put_item_sql = (f"INSERT INTO {it} (item_id, response_id, item, owner) VALUES ($1, $2, $3, $4) "
                               "ON CONFLICT (item_id) DO UPDATE SET response_id = EXCLUDED.response_id, "
-                              "item = EXCLUDED.item")
-        self._get_items_sql = f"SELECT item_id, item FROM {it} WHERE item_id = ANY($1::text[])"
+                              f"item = EXCLUDED.item WHERE {it}.owner IS NOT DISTINCT FROM EXCLUDED.owner")
+        self._get_items_sql = f"SELECT item_id, item FROM {it} WHERE item_id = ANY($1::text[]) AND {_owned(2)}"
         self._delete_items_sql = f"DELETE FROM {it} WHERE response_id = $1"
         self._sweep_items_sql = f"DELETE FROM {it} WHERE response_id IN (SELECT id FROM {t} WHERE created_at < $1)"
+        c = f'"{schema}".conversations'
+        ci = f'"{schema}".conversation_items'
+        self._conv_items_by_id_sql = (
+            f"SELECT ci.item_id, ci.item FROM {ci} ci JOIN {c} c ON c.id = ci.conversation_id "
+            f"WHERE ci.item_id = ANY($1::text[]) AND {_owned(2, 'c.owner')} ORDER BY c.updated_at, ci.position")
+        self._create_conv_sql = (f"INSERT INTO {c} ({_CONV_COLUMNS}, next_position) "
+                                 "VALUES ($1, $2, $3, $4, $5, $6)")
+        self._insert_conv_item_sql = (f"INSERT INTO {ci} (conversation_id, item_id, position, item) "
+                                      "VALUES ($1, $2, $3, $4) ON CONFLICT (conversation_id, item_id) DO NOTHING")
+        self._get_conv_sql = f"SELECT {_CONV_COLUMNS} FROM {c} WHERE id = $1 AND {_owned(2)}"
+        self._lock_conv_sql = f"SELECT 1 FROM {c} WHERE id = $1 AND {_owned(2)} FOR UPDATE"
+        self._update_conv_sql = (f"UPDATE {c} SET metadata = $2, updated_at = $3 WHERE id = $1 AND {_owned(4)} "
+                                 f"RETURNING {_CONV_COLUMNS}")
+        self._touch_conv_sql = f"UPDATE {c} SET updated_at = GREATEST(updated_at, $2) WHERE id = $1"
+        self._delete_conv_sql = f"DELETE FROM {c} WHERE id = $1 AND {_owned(2)} RETURNING id"
+        self._delete_conv_items_sql = f"DELETE FROM {ci} WHERE conversation_id = ANY($1::text[])"
+        self._reserve_sql = (f"UPDATE {c} SET next_position = next_position + $2, "
+                             f"updated_at = GREATEST(updated_at, $3) WHERE id = $1 AND {_owned(4)} "
+                             "RETURNING next_position")
+        self._all_conv_items_sql = f"SELECT item FROM {ci} WHERE conversation_id = $1 ORDER BY position"
+        self._position_sql = f"SELECT position FROM {ci} WHERE conversation_id = $1 AND item_id = $2"
+        self._page_sql = {
+            order: f"SELECT item FROM {ci} WHERE conversation_id = $1 AND position {op} $2 "
+                   f"ORDER BY position {order.upper()} LIMIT $3"
+            for order, op in (("asc", ">"), ("desc", "<"))
+        }
+        self._get_conv_item_sql = (f"SELECT ci.item FROM {ci} ci JOIN {c} c ON c.id = ci.conversation_id "
+                                   f"WHERE ci.conversation_id = $1 AND ci.item_id = $2 AND {_owned(3, 'c.owner')}")
+        self._delete_conv_item_sql = f"DELETE FROM {ci} WHERE conversation_id = $1 AND item_id = $2"
+        self._sweep_conv_sql = f"DELETE FROM {c} WHERE updated_at < $1 RETURNING id"
 
     @property
     def pool(self) -> asyncpg.Pool:
@@ -191,7 +266,7 @@ class PostgresResponseStore(ResponseStore):
             await pool.close()
 
     async def put(self, record: StoredResponse) -> None:
-        items = [(item_id, record.id, item) for item_id, item in record_items(record)]
+        items = [(item_id, record.id, item, record.owner) for item_id, item in record_items(record)]
         async with self.pool.acquire() as conn, conn.transaction():
             await conn.execute(
                 self._put_sql,
@@ -203,36 +278,129 @@ class PostgresResponseStore(ResponseStore):
                 record.input_items,
                 record.tool_context,
                 record.updated_at,
+                record.owner,
             )
             if items:
                 await conn.executemany(self._put_item_sql, items)
 
-    async def get(self, response_id: str) -> StoredResponse | None:
-        row = await self.pool.fetchrow(self._get_sql, response_id)
+    async def get(self, response_id: str, owner: str | None = None) -> StoredResponse | None:
+        row = await self.pool.fetchrow(self._get_sql, response_id, owner)
         return None if row is None else _row_to_record(row)
 
-    async def get_chain(self, response_id: str, max_depth: int = DEFAULT_MAX_CHAIN_DEPTH) -> list[StoredResponse]:
+    async def get_chain(self, response_id: str, max_depth: int = DEFAULT_MAX_CHAIN_DEPTH,
+                        owner: str | None = None) -> list[StoredResponse]:
         if max_depth < 1:
             raise ValueError("max_depth must be at least 1")
-        rows = await self.pool.fetch(self._chain_sql, response_id, max_depth)
+        rows = await self.pool.fetch(self._chain_sql, response_id, max_depth, owner)
         return check_chain(response_id, [_row_to_record(row) for row in rows], max_depth)
 
-    async def get_items(self, item_ids: list[str]) -> dict[str, dict[str, Any]]:
+    async def get_items(self, item_ids: list[str], owner: str | None = None) -> dict[str, dict[str, Any]]:
         ids = list(dict.fromkeys(item_ids))[:1000]
         if not ids:
             return {}
-        rows = await self.pool.fetch(self._get_items_sql, ids)
-        return {row["item_id"]: row["item"] for row in rows}
+        async with self.pool.acquire() as conn:
+            found = {row["item_id"]: row["item"] for row in await conn.fetch(self._get_items_sql, ids, owner)}
+            rest = [i for i in ids if i not in found]
+            if rest:  # the latest conversation's copy wins
+                for row in await conn.fetch(self._conv_items_by_id_sql, rest, owner):
+                    found[row["item_id"]] = row["item"]
+        return found
 
-    async def delete(self, response_id: str) -> bool:
+    async def delete(self, response_id: str, owner: str | None = None) -> bool:
         async with self.pool.acquire() as conn, conn.transaction():
+            if not _count(await conn.execute(self._delete_sql, response_id, owner)):
+                return False
             await conn.execute(self._delete_items_sql, response_id)
-            return _count(await conn.execute(self._delete_sql, response_id)) > 0
+            return True
 
     async def sweep(self, older_than: int) -> int:
         async with self.pool.acquire() as conn, conn.transaction():
             await conn.execute(self._sweep_items_sql, older_than)
-            return _count(await conn.execute(self._sweep_sql, older_than))
+            deleted = _count(await conn.execute(self._sweep_sql, older_than))
+            # Conversations first (their row locks wait for appends in flight, which bump updated_at), then
+            # the items of exactly those.
+            ids = [row["id"] for row in await conn.fetch(self._sweep_conv_sql, older_than)]
+            if ids:
+                await conn.execute(self._delete_conv_items_sql, ids)
+            return deleted + len(ids)
+
+    # ------------------------------------------------------------------ conversations
+
+    async def create_conversation(self, conversation: StoredConversation, items: list[dict[str, Any]]) -> None:
+        c = conversation
+        async with self.pool.acquire() as conn, conn.transaction():
+            await conn.execute(self._create_conv_sql, c.id, c.created_at, c.updated_at, c.metadata, c.owner,
+                               len(items))
+            if items:
+                await conn.executemany(self._insert_conv_item_sql,
+                                       [(c.id, item["id"], n, item) for n, item in enumerate(items)])
+
+    async def get_conversation(self, conversation_id: str, owner: str | None = None) -> StoredConversation | None:
+        row = await self.pool.fetchrow(self._get_conv_sql, conversation_id, owner)
+        return None if row is None else _row_to_conversation(row)
+
+    async def update_conversation(self, conversation_id: str, metadata: dict[str, Any], updated_at: int,
+                                  owner: str | None = None) -> StoredConversation | None:
+        row = await self.pool.fetchrow(self._update_conv_sql, conversation_id, metadata, updated_at, owner)
+        return None if row is None else _row_to_conversation(row)
+
+    async def delete_conversation(self, conversation_id: str, owner: str | None = None) -> bool:
+        async with self.pool.acquire() as conn, conn.transaction():
+            # The row first: an append in flight holds it, so its items are committed (and seen) before these go.
+            if await conn.fetchval(self._delete_conv_sql, conversation_id, owner) is None:
+                return False
+            await conn.execute(self._delete_conv_items_sql, [conversation_id])
+            return True
+
+    async def append_conversation_items(self, conversation_id: str, items: list[dict[str, Any]], updated_at: int,
+                                        owner: str | None = None) -> bool:
+        async with self.pool.acquire() as conn, conn.transaction():
+            end = await conn.fetchval(self._reserve_sql, conversation_id, len(items), updated_at, owner)
+            if end is None:
+                return False
+            start = int(end) - len(items)
+            if items:
+                await conn.executemany(self._insert_conv_item_sql,
+                                       [(conversation_id, item["id"], start + n, item) for n, item in enumerate(items)])
+            return True
+
+    async def get_conversation_items(self, conversation_id: str, owner: str | None = None
+                                     ) -> list[dict[str, Any]] | None:
+        async with self.pool.acquire() as conn, conn.transaction(isolation="repeatable_read", readonly=True):
+            if await conn.fetchrow(self._get_conv_sql, conversation_id, owner) is None:
+                return None
+            return [row["item"] for row in await conn.fetch(self._all_conv_items_sql, conversation_id)]
+
+    async def list_conversation_items(self, conversation_id: str, *, limit: int, order: str = "desc",
+                                      after: str | None = None, owner: str | None = None
+                                      ) -> tuple[list[dict[str, Any]], bool] | None:
+        if order not in ("asc", "desc"):
+            raise ValueError("order must be 'asc' or 'desc'")
+        async with self.pool.acquire() as conn, conn.transaction(isolation="repeatable_read", readonly=True):
+            if await conn.fetchrow(self._get_conv_sql, conversation_id, owner) is None:
+                return None
+            bound = -1 if order == "asc" else _MAX_POSITION
+            if after is not None:
+                position = await conn.fetchval(self._position_sql, conversation_id, after)
+                if position is None:
+                    raise CursorNotFoundError(after)
+                bound = int(position)
+            rows = await conn.fetch(self._page_sql[order], conversation_id, bound, limit + 1)
+        return [row["item"] for row in rows[:limit]], len(rows) > limit
+
+    async def get_conversation_item(self, conversation_id: str, item_id: str, owner: str | None = None
+                                    ) -> dict[str, Any] | None:
+        return await self.pool.fetchval(self._get_conv_item_sql, conversation_id, item_id, owner)
+
+    async def delete_conversation_item(self, conversation_id: str, item_id: str, updated_at: int,
+                                       owner: str | None = None) -> bool:
+        async with self.pool.acquire() as conn, conn.transaction():
+            if await conn.fetchval(self._lock_conv_sql, conversation_id, owner) is None:
+                return False
+            if not _count(await conn.execute(self._delete_conv_item_sql, conversation_id, item_id)):
+                return False
+            await conn.execute(self._touch_conv_sql, conversation_id, updated_at)
+            return True
 
 
 def _count(status: str) -> int:

@@ -1,4 +1,5 @@
-"""TTL retention: periodically delete stored responses older than the configured time to live."""
+"""TTL retention: periodically delete stored responses older than the configured time to live, and
+conversations neither created nor changed within it (see ResponseStore.sweep)."""
 
 from __future__ import annotations
 
@@ -37,5 +38,6 @@ async def run_sweeper(
             log.exception("response store sweep failed (cutoff=%d); retrying in %.1fs", cutoff, interval)
         else:
             if deleted:
-                log.info("response store sweep deleted %d responses created before %d", deleted, cutoff)
+                log.info("response store sweep deleted %d responses and conversations older than %d", deleted,
+                         cutoff)
         await asyncio.sleep(interval)

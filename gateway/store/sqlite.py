@@ -1,4 +1,9 @@
-"""SQLite ResponseStore: stdlib sqlite3 in worker threads, one connection behind a lock."""
+"""SQLite ResponseStore: stdlib sqlite3 in worker threads, one connection behind a lock.
+
+Every multi-statement write is one ``BEGIN IMMEDIATE`` transaction: within a process the lock serializes
+calls, across processes sharing the file the write lock does, so concurrent appends to one conversation
+never read the same next position.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +18,9 @@ import orjson
 
 from gateway.store.base import (
     DEFAULT_MAX_CHAIN_DEPTH,
+    CursorNotFoundError,
     ResponseStore,
+    StoredConversation,
     StoredResponse,
     StoreError,
     check_chain,
@@ -53,18 +60,49 @@ MIGRATIONS: list[tuple[str, ...]] = [
            SELECT json_extract(j.value, '$.id'), r.id, j.value FROM responses r, json_each(r.response, '$.output') j
            WHERE json_extract(j.value, '$.id') IS NOT NULL""",
     ),
+    (
+        # Ownership (keyed hash of the gateway API key; NULL without gateway keys) and Conversations.
+        "ALTER TABLE responses ADD COLUMN owner TEXT",
+        "ALTER TABLE response_items ADD COLUMN owner TEXT",
+        """CREATE TABLE IF NOT EXISTS conversations (
+            id TEXT PRIMARY KEY,
+            owner TEXT,
+            created_at INTEGER NOT NULL,
+            updated_at INTEGER NOT NULL,
+            metadata TEXT NOT NULL,
+            next_position INTEGER NOT NULL DEFAULT 0
+        )""",
+        "CREATE INDEX IF NOT EXISTS conversations_updated_at ON conversations (updated_at)",
+        # Items in order of position (reserved from conversations.next_position under the write lock);
+        # one id per conversation: an item resent with its id is the same item.
+        """CREATE TABLE IF NOT EXISTS conversation_items (
+            conversation_id TEXT NOT NULL,
+            item_id TEXT NOT NULL,
+            position INTEGER NOT NULL,
+            item TEXT NOT NULL,
+            PRIMARY KEY (conversation_id, item_id)
+        )""",
+        "CREATE UNIQUE INDEX IF NOT EXISTS conversation_items_position "
+        "ON conversation_items (conversation_id, position)",
+        "CREATE INDEX IF NOT EXISTS conversation_items_item ON conversation_items (item_id)",
+    ),
 ]
 
-_COLUMNS = "id, created_at, previous_response_id, status, response, input_items, tool_context, updated_at"
+# "(? IS NULL OR owner = ?)", bound to (owner, owner): no owner given means single-tenant, no filter.
+_OWNED = "(? IS NULL OR owner = ?)"
+_CONV_COLUMNS = "id, created_at, updated_at, metadata, owner"
+_MAX_POSITION = 2**62
+
+_COLUMNS = "id, created_at, previous_response_id, status, response, input_items, tool_context, updated_at, owner"
 
 _CHAIN_SQL = f"""
 WITH RECURSIVE chain(depth, {_COLUMNS}) AS (
-    SELECT 0, {_COLUMNS} FROM responses WHERE id = ?
+    SELECT 0, {_COLUMNS} FROM responses WHERE id = ? AND {_OWNED}
     UNION ALL
     SELECT c.depth + 1, r.id, r.created_at, r.previous_response_id, r.status, r.response,
-           r.input_items, r.tool_context, r.updated_at
+           r.input_items, r.tool_context, r.updated_at, r.owner
     FROM responses r JOIN chain c ON r.id = c.previous_response_id
-    WHERE c.depth + 1 < ?
+    WHERE c.depth + 1 < ? AND (? IS NULL OR r.owner = ?)
 )
 SELECT {_COLUMNS} FROM chain ORDER BY depth
 """
@@ -85,6 +123,31 @@ def _row_to_record(row: tuple[Any, ...]) -> StoredResponse:
         input_items=orjson.loads(row[5]),
         tool_context=None if row[6] is None else orjson.loads(row[6]),
         updated_at=row[7],
+        owner=row[8],
+    )
+
+
+def _row_to_conversation(row: tuple[Any, ...]) -> StoredConversation:
+    return StoredConversation(id=row[0], created_at=row[1], updated_at=row[2], metadata=orjson.loads(row[3]),
+                              owner=row[4])
+
+
+def _transaction(db: sqlite3.Connection, fn: Callable[[sqlite3.Connection], T], begin: str = "BEGIN IMMEDIATE") -> T:
+    db.execute(begin)
+    try:
+        out = fn(db)
+        db.execute("COMMIT")
+    except BaseException:
+        db.execute("ROLLBACK")
+        raise
+    return out
+
+
+def _insert_items(db: sqlite3.Connection, conversation_id: str, start: int, items: list[dict[str, Any]]) -> None:
+    db.executemany(
+        "INSERT INTO conversation_items (conversation_id, item_id, position, item) VALUES (?, ?, ?, ?) "
+        "ON CONFLICT (conversation_id, item_id) DO NOTHING",
+        [(conversation_id, item["id"], start + n, _dumps(item)) for n, item in enumerate(items)],
     )
 
 
@@ -182,23 +245,26 @@ class SqliteResponseStore(ResponseStore):
             _dumps(record.input_items),
             None if record.tool_context is None else _dumps(record.tool_context),
             record.updated_at,
+            record.owner,
         )
-        items = [(item_id, record.id, _dumps(item)) for item_id, item in record_items(record)]
+        items = [(item_id, record.id, _dumps(item), record.owner) for item_id, item in record_items(record)]
 
         def write(db: sqlite3.Connection) -> None:
             db.execute("BEGIN")
             try:
                 db.execute(
-                    f"INSERT INTO responses ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
+                    f"INSERT INTO responses ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) "
                     "ON CONFLICT (id) DO UPDATE SET created_at = excluded.created_at, "
                     "previous_response_id = excluded.previous_response_id, status = excluded.status, "
                     "response = excluded.response, input_items = excluded.input_items, "
-                    "tool_context = excluded.tool_context, updated_at = excluded.updated_at",
+                    "tool_context = excluded.tool_context, updated_at = excluded.updated_at, owner = excluded.owner",
                     params,
                 )
+                # Another owner's item with the same id is never replaced (nor taken over).
                 db.executemany(
-                    "INSERT INTO response_items (item_id, response_id, item) VALUES (?, ?, ?) "
-                    "ON CONFLICT (item_id) DO UPDATE SET response_id = excluded.response_id, item = excluded.item",
+                    "INSERT INTO response_items (item_id, response_id, item, owner) VALUES (?, ?, ?, ?) "
+                    "ON CONFLICT (item_id) DO UPDATE SET response_id = excluded.response_id, item = excluded.item "
+                    "WHERE response_items.owner IS excluded.owner",
                     items,
                 )
                 db.execute("COMMIT")
@@ -208,38 +274,168 @@ class SqliteResponseStore(ResponseStore):
 
         await self._run(write)
 
-    async def get(self, response_id: str) -> StoredResponse | None:
-        row = await self._run(
-            lambda db: db.execute(f"SELECT {_COLUMNS} FROM responses WHERE id = ?", (response_id,)).fetchone()
-        )
+    async def get(self, response_id: str, owner: str | None = None) -> StoredResponse | None:
+        row = await self._run(lambda db: db.execute(
+            f"SELECT {_COLUMNS} FROM responses WHERE id = ? AND {_OWNED}", (response_id, owner, owner)).fetchone())
         return None if row is None else _row_to_record(row)
 
-    async def get_chain(self, response_id: str, max_depth: int = DEFAULT_MAX_CHAIN_DEPTH) -> list[StoredResponse]:
+    async def get_chain(self, response_id: str, max_depth: int = DEFAULT_MAX_CHAIN_DEPTH,
+                        owner: str | None = None) -> list[StoredResponse]:
         if max_depth < 1:
             raise ValueError("max_depth must be at least 1")
-        rows = await self._run(lambda db: db.execute(_CHAIN_SQL, (response_id, max_depth)).fetchall())
+        rows = await self._run(lambda db: db.execute(
+            _CHAIN_SQL, (response_id, owner, owner, max_depth, owner, owner)).fetchall())
         return check_chain(response_id, [_row_to_record(row) for row in rows], max_depth)
 
-    async def get_items(self, item_ids: list[str]) -> dict[str, dict[str, Any]]:
+    async def get_items(self, item_ids: list[str], owner: str | None = None) -> dict[str, dict[str, Any]]:
         ids = list(dict.fromkeys(item_ids))[:1000]
         if not ids:
             return {}
-        marks = ", ".join("?" * len(ids))
-        rows = await self._run(lambda db: db.execute(
-            f"SELECT item_id, item FROM response_items WHERE item_id IN ({marks})", ids).fetchall())
-        return {row[0]: orjson.loads(row[1]) for row in rows}
 
-    async def delete(self, response_id: str) -> bool:
+        def run(db: sqlite3.Connection) -> dict[str, dict[str, Any]]:
+            marks = ", ".join("?" * len(ids))
+            found = {row[0]: orjson.loads(row[1]) for row in db.execute(
+                f"SELECT item_id, item FROM response_items WHERE item_id IN ({marks}) AND {_OWNED}",
+                (*ids, owner, owner))}
+            rest = [i for i in ids if i not in found]
+            if rest:
+                marks = ", ".join("?" * len(rest))
+                for row in db.execute(  # the latest conversation's copy wins
+                        "SELECT ci.item_id, ci.item FROM conversation_items ci JOIN conversations c "
+                        f"ON c.id = ci.conversation_id WHERE ci.item_id IN ({marks}) AND (? IS NULL OR c.owner = ?) "
+                        "ORDER BY c.updated_at, ci.position", (*rest, owner, owner)):
+                    found[row[0]] = orjson.loads(row[1])
+            return found
+
+        return await self._run(lambda db: _transaction(db, run, "BEGIN"))
+
+    async def delete(self, response_id: str, owner: str | None = None) -> bool:
         def run(db: sqlite3.Connection) -> int:
-            db.execute("DELETE FROM response_items WHERE response_id = ?", (response_id,))
-            return db.execute("DELETE FROM responses WHERE id = ?", (response_id,)).rowcount
+            deleted = db.execute(f"DELETE FROM responses WHERE id = ? AND {_OWNED}",
+                                 (response_id, owner, owner)).rowcount
+            if deleted:
+                db.execute("DELETE FROM response_items WHERE response_id = ?", (response_id,))
+            return deleted
 
-        return await self._run(run) > 0
+        return await self._run(lambda db: _transaction(db, run)) > 0
 
     async def sweep(self, older_than: int) -> int:
         def run(db: sqlite3.Connection) -> int:
             db.execute("DELETE FROM response_items WHERE response_id IN "
                        "(SELECT id FROM responses WHERE created_at < ?)", (older_than,))
-            return db.execute("DELETE FROM responses WHERE created_at < ?", (older_than,)).rowcount
+            deleted = db.execute("DELETE FROM responses WHERE created_at < ?", (older_than,)).rowcount
+            db.execute("DELETE FROM conversation_items WHERE conversation_id IN "
+                       "(SELECT id FROM conversations WHERE updated_at < ?)", (older_than,))
+            return deleted + db.execute("DELETE FROM conversations WHERE updated_at < ?", (older_than,)).rowcount
 
-        return await self._run(run)
+        return await self._run(lambda db: _transaction(db, run))
+
+    # ------------------------------------------------------------------ conversations
+
+    async def create_conversation(self, conversation: StoredConversation, items: list[dict[str, Any]]) -> None:
+        c = conversation
+
+        def run(db: sqlite3.Connection) -> None:
+            db.execute(f"INSERT INTO conversations ({_CONV_COLUMNS}, next_position) VALUES (?, ?, ?, ?, ?, ?)",
+                       (c.id, c.created_at, c.updated_at, _dumps(c.metadata), c.owner, len(items)))
+            _insert_items(db, c.id, 0, items)
+
+        await self._run(lambda db: _transaction(db, run))
+
+    async def get_conversation(self, conversation_id: str, owner: str | None = None) -> StoredConversation | None:
+        row = await self._run(lambda db: db.execute(
+            f"SELECT {_CONV_COLUMNS} FROM conversations WHERE id = ? AND {_OWNED}",
+            (conversation_id, owner, owner)).fetchone())
+        return None if row is None else _row_to_conversation(row)
+
+    async def update_conversation(self, conversation_id: str, metadata: dict[str, Any], updated_at: int,
+                                  owner: str | None = None) -> StoredConversation | None:
+        row = await self._run(lambda db: db.execute(
+            f"UPDATE conversations SET metadata = ?, updated_at = ? WHERE id = ? AND {_OWNED} "
+            f"RETURNING {_CONV_COLUMNS}", (_dumps(metadata), updated_at, conversation_id, owner, owner)).fetchone())
+        return None if row is None else _row_to_conversation(row)
+
+    async def delete_conversation(self, conversation_id: str, owner: str | None = None) -> bool:
+        def run(db: sqlite3.Connection) -> int:
+            deleted = db.execute(f"DELETE FROM conversations WHERE id = ? AND {_OWNED}",
+                                 (conversation_id, owner, owner)).rowcount
+            if deleted:
+                db.execute("DELETE FROM conversation_items WHERE conversation_id = ?", (conversation_id,))
+            return deleted
+
+        return await self._run(lambda db: _transaction(db, run)) > 0
+
+    async def append_conversation_items(self, conversation_id: str, items: list[dict[str, Any]], updated_at: int,
+                                        owner: str | None = None) -> bool:
+        def run(db: sqlite3.Connection) -> bool:
+            # The UPDATE takes the write lock and reserves len(items) positions in one statement.
+            row = db.execute(
+                "UPDATE conversations SET next_position = next_position + ?, updated_at = max(updated_at, ?) "
+                f"WHERE id = ? AND {_OWNED} RETURNING next_position",
+                (len(items), updated_at, conversation_id, owner, owner)).fetchone()
+            if row is None:
+                return False
+            _insert_items(db, conversation_id, int(row[0]) - len(items), items)
+            return True
+
+        return await self._run(lambda db: _transaction(db, run))
+
+    async def get_conversation_items(self, conversation_id: str, owner: str | None = None
+                                     ) -> list[dict[str, Any]] | None:
+        def run(db: sqlite3.Connection) -> list[dict[str, Any]] | None:
+            if db.execute(f"SELECT 1 FROM conversations WHERE id = ? AND {_OWNED}",
+                          (conversation_id, owner, owner)).fetchone() is None:
+                return None
+            return [orjson.loads(row[0]) for row in db.execute(
+                "SELECT item FROM conversation_items WHERE conversation_id = ? ORDER BY position",
+                (conversation_id,))]
+
+        return await self._run(lambda db: _transaction(db, run, "BEGIN"))
+
+    async def list_conversation_items(self, conversation_id: str, *, limit: int, order: str = "desc",
+                                      after: str | None = None, owner: str | None = None
+                                      ) -> tuple[list[dict[str, Any]], bool] | None:
+        if order not in ("asc", "desc"):
+            raise ValueError("order must be 'asc' or 'desc'")
+
+        def run(db: sqlite3.Connection) -> tuple[list[dict[str, Any]], bool] | None:
+            if db.execute(f"SELECT 1 FROM conversations WHERE id = ? AND {_OWNED}",
+                          (conversation_id, owner, owner)).fetchone() is None:
+                return None
+            bound = -1 if order == "asc" else _MAX_POSITION
+            if after is not None:
+                row = db.execute("SELECT position FROM conversation_items WHERE conversation_id = ? AND item_id = ?",
+                                 (conversation_id, after)).fetchone()
+                if row is None:
+                    raise CursorNotFoundError(after)
+                bound = int(row[0])
+            op, direction = (">", "ASC") if order == "asc" else ("<", "DESC")
+            rows = db.execute(
+                f"SELECT item FROM conversation_items WHERE conversation_id = ? AND position {op} ? "
+                f"ORDER BY position {direction} LIMIT ?", (conversation_id, bound, limit + 1)).fetchall()
+            return [orjson.loads(r[0]) for r in rows[:limit]], len(rows) > limit
+
+        return await self._run(lambda db: _transaction(db, run, "BEGIN"))
+
+    async def get_conversation_item(self, conversation_id: str, item_id: str, owner: str | None = None
+                                    ) -> dict[str, Any] | None:
+        row = await self._run(lambda db: db.execute(
+            "SELECT ci.item FROM conversation_items ci JOIN conversations c ON c.id = ci.conversation_id "
+            "WHERE ci.conversation_id = ? AND ci.item_id = ? AND (? IS NULL OR c.owner = ?)",
+            (conversation_id, item_id, owner, owner)).fetchone())
+        return None if row is None else orjson.loads(row[0])
+
+    async def delete_conversation_item(self, conversation_id: str, item_id: str, updated_at: int,
+                                       owner: str | None = None) -> bool:
+        def run(db: sqlite3.Connection) -> bool:
+            if db.execute(f"SELECT 1 FROM conversations WHERE id = ? AND {_OWNED}",
+                          (conversation_id, owner, owner)).fetchone() is None:
+                return False
+            if not db.execute("DELETE FROM conversation_items WHERE conversation_id = ? AND item_id = ?",
+                              (conversation_id, item_id)).rowcount:
+                return False
+            db.execute("UPDATE conversations SET updated_at = max(updated_at, ?) WHERE id = ?",
+                       (updated_at, conversation_id))
+            return True
+
+        return await self._run(lambda db: _transaction(db, run))

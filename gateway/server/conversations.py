@@ -1,0 +1,243 @@
+"""The Conversations API (``/v1/conversations``) and the two hooks ``POST /v1/responses`` uses for
+``conversation``: the conversation's items as history, and the turn's items appended when it ends.
+
+Every endpoint is scoped to the caller's owner (gateway.server.auth.request_owner): another owner's
+conversation or item answers 404 exactly as an unknown id does.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+import structlog
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from gateway.errors import InvalidRequest, NotFound
+from gateway.protocol.conversations import check_metadata, conversation_item, conversation_ref, request_items
+from gateway.protocol.ids import new_id
+from gateway.server.auth import request_owner
+from gateway.server.http import OrjsonResponse, read_body
+from gateway.server.record import RequestRecord
+from gateway.store import CursorNotFoundError, ResponseStore, StoredConversation
+
+log = structlog.get_logger("gateway.conversations")
+
+__all__ = ["APPENDED_STATUSES", "ConversationsApi", "append_turn", "conversation_history"]
+
+Handler = Callable[[Request, RequestRecord], Awaitable[Response]]
+Wrap = Callable[[str, Handler], Callable[[Request], Awaitable[Response]]]
+
+# A response's turn joins its conversation when it ends with model output; a failed one adds nothing.
+APPENDED_STATUSES = frozenset({"completed", "incomplete"})
+
+
+def _conversation_not_found(conversation_id: str, param: str = "conversation_id") -> NotFound:
+    return NotFound(f"Conversation with id '{conversation_id}' not found.", param=param)
+
+
+# ---------------------------------------------------------------------------- hooks for POST /v1/responses
+
+async def conversation_history(store: ResponseStore | None, body: Mapping[str, Any],
+                               owner: str | None) -> list[dict[str, Any]] | None:
+    """The items of the conversation the request names, oldest first (public form, like the history of a
+    ``previous_response_id`` chain); None when it names none."""
+    conversation_id = conversation_ref(body)
+    if conversation_id is None:
+        return None
+    if body.get("previous_response_id"):
+        raise InvalidRequest("Mutually exclusive parameters: provide only one of 'previous_response_id' or "
+                             "'conversation'.", param="conversation", code="mutually_exclusive_parameters")
+    if store is None:
+        raise InvalidRequest("conversation needs a response store, and this gateway runs with --store none.",
+                             param="conversation", code="store_disabled")
+    items = await store.get_conversation_items(conversation_id, owner=owner)
+    if items is None:
+        raise _conversation_not_found(conversation_id, param="conversation")
+    return items
+
+
+async def append_turn(store: ResponseStore | None, body: Mapping[str, Any], input_items: list[dict[str, Any]],
+                      final: Mapping[str, Any], owner: str | None) -> None:
+    """Append the request's input items and the response's output items to its conversation (whatever
+    ``store`` says, as OpenAI does). Never raises: the client still gets its answer; a failure is logged."""
+    conversation_id = conversation_ref(body)
+    if conversation_id is None or store is None or final.get("status") not in APPENDED_STATUSES:
+        return
+    items = [conversation_item(i) for i in input_items]
+    items += [conversation_item(o) for o in final.get("output") or () if isinstance(o, dict)]
+    try:
+        appended = await store.append_conversation_items(conversation_id, items, int(time.time()), owner=owner)
+    except Exception as exc:
+        log.error("conversation_write_failed", conversation_id=conversation_id, response_id=final.get("id"),
+                  error=type(exc).__name__)
+        return
+    if not appended:  # deleted while the response ran
+        log.warning("conversation_gone", conversation_id=conversation_id, response_id=final.get("id"))
+
+
+# ---------------------------------------------------------------------------- the endpoints
+
+async def _json_body(request: Request, limit: int) -> dict[str, Any]:
+    raw = await read_body(request, limit)
+    if not raw.strip():
+        return {}
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        raise InvalidRequest("The request body is not valid JSON.", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("The request body must be a JSON object.", code="invalid_json")
+    return body
+
+
+def _list(items: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
+    return {
+        "object": "list",
+        "data": items,
+        "first_id": items[0].get("id") if items else None,
+        "last_id": items[-1].get("id") if items else None,
+        "has_more": has_more,
+    }
+
+
+@dataclass
+class ConversationsApi:
+    """The handlers; ``store`` returns the store or raises (``--store none``)."""
+
+    store: Callable[[], ResponseStore]
+    max_body_bytes: int
+    clock: Callable[[], float] = field(default=time.time)
+
+    def routes(self, wrap: Wrap) -> list[Route]:
+        one, items, item = "/v1/conversations/{id}", "/v1/conversations/{id}/items", \
+            "/v1/conversations/{id}/items/{item_id}"
+        return [
+            Route("/v1/conversations", wrap("/v1/conversations", self.create), methods=["POST"]),
+            Route("/v1/conversations/{conversation_id}", wrap(one, self.retrieve), methods=["GET"]),
+            Route("/v1/conversations/{conversation_id}", wrap(one, self.update), methods=["POST"]),
+            Route("/v1/conversations/{conversation_id}", wrap(one, self.delete), methods=["DELETE"]),
+            Route("/v1/conversations/{conversation_id}/items", wrap(items, self.list_items), methods=["GET"]),
+            Route("/v1/conversations/{conversation_id}/items", wrap(items, self.create_items), methods=["POST"]),
+            Route("/v1/conversations/{conversation_id}/items/{item_id}", wrap(item, self.retrieve_item),
+                  methods=["GET"]),
+            Route("/v1/conversations/{conversation_id}/items/{item_id}", wrap(item, self.delete_item),
+                  methods=["DELETE"]),
+        ]
+
+    async def _items(self, store: ResponseStore, raw: list[dict[str, Any]], owner: str | None
+                     ) -> list[dict[str, Any]]:
+        """Public items with ids; ``item_reference``s replaced by the (owner's) stored items they name."""
+        refs = [item["id"] for item in raw if item.get("type") == "item_reference"]
+        found = await store.get_items(refs, owner=owner) if refs else {}
+        out = []
+        for i, item in enumerate(raw):
+            if item.get("type") == "item_reference":
+                if item["id"] not in found:
+                    raise InvalidRequest(f"Item with id '{item['id']}' not found.", param=f"items[{i}].id",
+                                         code="item_not_found")
+                item = found[item["id"]]
+            out.append(conversation_item(item))
+        return out
+
+    async def create(self, request: Request, record: RequestRecord) -> Response:
+        body = await _json_body(request, self.max_body_bytes)
+        metadata = check_metadata(body.get("metadata"))
+        raw = request_items(body.get("items"))
+        store, owner = self.store(), request_owner(request.scope)
+        items = await self._items(store, raw, owner)
+        now = int(self.clock())
+        conversation = StoredConversation(id=new_id("conv"), created_at=now, updated_at=now, metadata=metadata,
+                                          owner=owner)
+        await store.create_conversation(conversation, items)
+        return OrjsonResponse(conversation.public())
+
+    async def retrieve(self, request: Request, record: RequestRecord) -> Response:
+        cid = request.path_params["conversation_id"]
+        conversation = await self.store().get_conversation(cid, owner=request_owner(request.scope))
+        if conversation is None:
+            raise _conversation_not_found(cid)
+        return OrjsonResponse(conversation.public())
+
+    async def update(self, request: Request, record: RequestRecord) -> Response:
+        cid = request.path_params["conversation_id"]
+        body = await _json_body(request, self.max_body_bytes)
+        if "metadata" not in body:
+            raise InvalidRequest("Missing required parameter: 'metadata'.", param="metadata",
+                                 code="missing_required_parameter")
+        metadata = check_metadata(body["metadata"])
+        conversation = await self.store().update_conversation(cid, metadata, int(self.clock()),
+                                                              owner=request_owner(request.scope))
+        if conversation is None:
+            raise _conversation_not_found(cid)
+        return OrjsonResponse(conversation.public())
+
+    async def delete(self, request: Request, record: RequestRecord) -> Response:
+        cid = request.path_params["conversation_id"]
+        if not await self.store().delete_conversation(cid, owner=request_owner(request.scope)):
+            raise _conversation_not_found(cid)
+        return OrjsonResponse({"id": cid, "object": "conversation.deleted", "deleted": True})
+
+    async def list_items(self, request: Request, record: RequestRecord) -> Response:
+        cid = request.path_params["conversation_id"]
+        query = request.query_params
+        try:
+            limit = int(query.get("limit", 20))
+        except ValueError:
+            raise InvalidRequest("'limit' must be an integer.", param="limit", code="invalid_type") from None
+        if not 1 <= limit <= 100:
+            raise InvalidRequest("'limit' must be between 1 and 100.", param="limit", code="invalid_value")
+        order = query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise InvalidRequest("'order' must be 'asc' or 'desc'.", param="order", code="invalid_value")
+        after = query.get("after") or None
+        try:
+            page = await self.store().list_conversation_items(cid, limit=limit, order=order, after=after,
+                                                              owner=request_owner(request.scope))
+        except CursorNotFoundError:
+            raise InvalidRequest(f"No item with id '{after}' in this conversation.", param="after",
+                                 code="invalid_value") from None
+        if page is None:
+            raise _conversation_not_found(cid)
+        return OrjsonResponse(_list(*page))
+
+    async def create_items(self, request: Request, record: RequestRecord) -> Response:
+        cid = request.path_params["conversation_id"]
+        body = await _json_body(request, self.max_body_bytes)
+        if "items" not in body:
+            raise InvalidRequest("Missing required parameter: 'items'.", param="items",
+                                 code="missing_required_parameter")
+        raw = request_items(body["items"])
+        store, owner = self.store(), request_owner(request.scope)
+        if await store.get_conversation(cid, owner=owner) is None:  # before resolving any item_reference
+            raise _conversation_not_found(cid)
+        items = await self._items(store, raw, owner)
+        if not await store.append_conversation_items(cid, items, int(self.clock()), owner=owner):
+            raise _conversation_not_found(cid)
+        return OrjsonResponse(_list(items, False))
+
+    async def retrieve_item(self, request: Request, record: RequestRecord) -> Response:
+        cid, iid = request.path_params["conversation_id"], request.path_params["item_id"]
+        store, owner = self.store(), request_owner(request.scope)
+        item = await store.get_conversation_item(cid, iid, owner=owner)
+        if item is None:
+            if await store.get_conversation(cid, owner=owner) is None:
+                raise _conversation_not_found(cid)
+            raise NotFound(f"Item with id '{iid}' not found.", param="item_id")
+        return OrjsonResponse(item)
+
+    async def delete_item(self, request: Request, record: RequestRecord) -> Response:
+        cid, iid = request.path_params["conversation_id"], request.path_params["item_id"]
+        store, owner = self.store(), request_owner(request.scope)
+        deleted = await store.delete_conversation_item(cid, iid, int(self.clock()), owner=owner)
+        conversation = await store.get_conversation(cid, owner=owner)
+        if conversation is None:
+            raise _conversation_not_found(cid)
+        if not deleted:
+            raise NotFound(f"Item with id '{iid}' not found.", param="item_id")
+        return OrjsonResponse(conversation.public())  # OpenAI answers with the conversation
