@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -58,8 +59,14 @@ def main(argv: list[str] | None = None) -> int:
             # The recordings are vLLM /v1/responses answers; constrained generation would ask /v1/chat/completions
             # for answers that were never recorded.
             overrides["tool_choice_enforcement"] = "off"
+        from gateway.demo_mcp import start_demo_mcp
+
+        servers_file = os.path.join(folder, "mcp-servers.json")
+        with open(servers_file, "w", encoding="utf-8") as fh:
+            json.dump({"servers": {"demo": {"url": start_demo_mcp(), "require_approval": "never"}}}, fh)
         settings = load_settings(args, upstream_url="http://demo-upstream.invalid",
-                                 store=f"sqlite:///{os.path.join(folder, 'responses.db')}", **overrides)
+                                 store=f"sqlite:///{os.path.join(folder, 'responses.db')}",
+                                 mcp_servers_file=servers_file, **overrides)
         print(f"responses-gateway demo: http://{settings.host}:{settings.port}/v1 (replaying recorded vLLM "
               f"answers; store in {folder})", file=sys.stderr)
         return run(settings, demo=True)

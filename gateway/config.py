@@ -50,6 +50,9 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option("api_keys_file", "--api-keys-file", "GATEWAY_API_KEYS_FILE", str,
            "File with one key per line (# comments); adds to GATEWAY_API_KEYS."),
+    Option("owner_secret", "--owner-secret", "GATEWAY_OWNER_SECRET", str,
+           "Secret keying the owner hash stored with each response and conversation under gateway keys; "
+           "unset: derived from the key set (changing the set then hides everything stored).", secret=True),
     Option("upstream_api", "--upstream-api", "GATEWAY_UPSTREAM_API", str,
            "Which upstream API to call.", choices=("responses", "chat")),
     Option("tool_choice_enforcement", "--tool-choice-enforcement", "GATEWAY_TOOL_CHOICE_ENFORCEMENT", str,
@@ -72,6 +75,18 @@ OPTIONS: tuple[Option, ...] = (
     Option("store_ttl", "--store-ttl", "GATEWAY_STORE_TTL", float, "Seconds to keep stored responses; 0 keeps them."),
     Option("log_level", "--log-level", "GATEWAY_LOG_LEVEL", str, "Log level.",
            choices=("debug", "info", "warning", "error")),
+    Option("mcp_allowed_hosts", "--mcp-allowed-hosts", "GATEWAY_MCP_ALLOWED_HOSTS", _csv,
+           "Comma-separated host or host:port patterns ('*' = any) that mcp tools' server_url may name; "
+           "empty: none."),
+    Option("mcp_servers_file", "--mcp-servers-file", "GATEWAY_MCP_SERVERS_FILE", str,
+           "JSON file of labelled MCP servers clients reference by server_label alone (credentials stay here)."),
+    Option("max_tool_rounds", "--max-tool-rounds", "GATEWAY_MAX_TOOL_ROUNDS", int,
+           "Rounds per response that run gateway-owned tool calls; then one more round without tools."),
+    Option("mcp_call_timeout", "--mcp-call-timeout", "GATEWAY_MCP_CALL_TIMEOUT", float,
+           "Seconds one MCP tool call may take before it fails."),
+    Option("reasoning_key", "--reasoning-key", "GATEWAY_REASONING_KEY", str,
+           "Base64 AES-256 keys (comma-separated; the first seals) for reasoning encrypted_content; unset: a "
+           "random key per process.", secret=True),
 )
 
 
@@ -83,6 +98,7 @@ class Settings:
     upstream_api_key: str | None = field(default=None, repr=False)
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     api_keys_file: str | None = None
+    owner_secret: str | None = field(default=None, repr=False)
     upstream_api: UpstreamApi = "responses"
     tool_choice_enforcement: Enforcement = "constrain"
     max_body_bytes: int = 32 * 1024 * 1024
@@ -95,6 +111,11 @@ class Settings:
     store: str = "sqlite:///responses-gateway.db"
     store_ttl: float = 0.0
     log_level: str = "info"
+    mcp_allowed_hosts: tuple[str, ...] = ()
+    mcp_servers_file: str | None = None
+    max_tool_rounds: int = 10
+    mcp_call_timeout: float = 60.0
+    reasoning_key: str | None = field(default=None, repr=False)
 
     def all_api_keys(self) -> tuple[str, ...]:
         keys = list(self.api_keys)

@@ -46,3 +46,31 @@ def test_demo_serves_custom_tools_and_chaining_out_of_the_box() -> None:
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_demo_runs_an_mcp_round_trip_on_its_built_in_server() -> None:
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
+    proc = subprocess.Popen([sys.executable, "-m", "gateway", "demo", "--port", str(port), "--drain-timeout", "1"],
+                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=1)
+                break
+            except httpx.TransportError:
+                assert proc.poll() is None and time.monotonic() < deadline, "demo did not start"
+                time.sleep(0.1)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        with client.responses.stream(model="tiny", input="What is 2 + 3?",
+                                     tools=[{"type": "mcp", "server_label": "demo"}]) as stream:  # type: ignore[list-item,typeddict-item]
+            for _ in stream:
+                pass
+            resp = stream.get_final_response()
+        kinds = [o.type for o in resp.output]
+        assert kinds[:2] == ["mcp_list_tools", "mcp_call"] and kinds[-1] == "message", kinds
+        assert resp.output[1].name == "add" and resp.output[1].output == "5"  # type: ignore[union-attr]
+    finally:
+        proc.terminate()
+        proc.wait(30)

@@ -188,3 +188,17 @@ def test_namespace_round_trip_including_history() -> None:
     assert [i.get("name") for i in history if i["type"] == "function_call"] == ["crm__get_customer_profile",
                                                                                  "crm__crm_query"]
     assert all("namespace" not in i for i in history)
+
+
+def test_a_builtin_apply_patch_choice_names_the_declared_custom_tool() -> None:
+    """The Vercel AI SDK forces a custom tool named apply_patch with {"type": "apply_patch"}."""
+    body = {"tools": [{"type": "custom", "name": "apply_patch"}, {"type": "function", "name": "f"}],
+            "tool_choice": {"type": "apply_patch"}}
+    ctx = resolve_tool_context(body)
+    assert ctx.tool_choice == {"type": "apply_patch"}  # echoed as the client sent it
+    assert ctx.upstream_tool_choice == {"type": "function", "name": "apply_patch"}
+    assert [i.name for i in ctx.pinned_tools] == ["apply_patch"]
+    # without such a tool it stays a hosted choice, passed on
+    hosted = resolve_tool_context({"tools": [{"type": "function", "name": "f"}],
+                                   "tool_choice": {"type": "apply_patch"}})
+    assert hosted.upstream_tool_choice == {"type": "apply_patch"}

@@ -34,7 +34,7 @@ _ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
 def constraint_for(info: ToolInfo) -> dict[str, Any] | None:
     """The ``structured_outputs`` value that makes any answer a valid call content; None for free text."""
-    if info.kind == "function":
+    if info.kind in ("function", "mcp"):
         params = info.definition.get("parameters")
         return {"json": params if isinstance(params, dict) and params else _ANY_OBJECT}
     grammar = info.grammar
@@ -84,7 +84,7 @@ def args_request(chat_body: Mapping[str, Any], info: ToolInfo, *, stream: bool,
     constraint = constraint_for(info)
     desc = str(info.definition.get("description") or "").strip()
     head = f"You are calling the tool `{info.upstream_name}` now." + (f" Its description: {desc}" if desc else "")
-    if info.kind == "function":
+    if info.kind in ("function", "mcp"):
         schema = orjson.dumps(constraint["json"] if constraint else _ANY_OBJECT).decode()
         what = f"Write only the call's arguments: one JSON object matching this JSON Schema:\n{schema}"
     elif info.grammar is not None:

@@ -136,7 +136,7 @@ class GrammarTakeover:
         checked = False
         try:
             out: list[Event] = cont.start()
-            async for raw in step.response.aiter_bytes():
+            async for raw in step.aiter_bytes():
                 for _event, data in parser.feed(raw):
                     out += _chunk(cont, data)
                 if cont.finish_reason is not None and not checked:
@@ -154,7 +154,10 @@ class GrammarTakeover:
             if out:
                 yield out
         finally:
-            await step.aclose()
+            if cont.finished:
+                await step.release()  # read to its end: the connection goes back to the pool
+            else:
+                await step.aclose()
 
     def _check(self, cont: InputContinuation, info: ToolInfo, started: float) -> None:
         item = cont.item

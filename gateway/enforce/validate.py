@@ -8,6 +8,12 @@ Lark: Python's ``lark`` refuses terminals that can match the empty string (``/[^
 grammar backends accept. ``load_lark`` rewrites such a rule-level terminal ``/X*/`` into the equivalent
 ``/X+/?`` and retries; a grammar it still cannot load is reported as unchecked (never as a violation:
 the gateway does not blame the model for its own parser's limits).
+
+Parsers: LALR first (linear, tens of times faster than Earley on a long patch: 14 ms against 0.5 s for
+64 KB of Codex's apply_patch), Earley when the grammar is not LALR(1) (a conflict, a load error). An LALR
+parse that succeeds is a derivation of the input, so Earley accepts it too; one that fails may come from
+LALR's limits (a shift/reduce conflict resolved as a shift, a greedy contextual lexer), so a rejection is
+confirmed with Earley before it counts. Verdicts are therefore Earley's, at LALR's cost on the common path.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ class LarkChecker:
     parser: lark.Lark | None
     rewritten: bool = False
     error: str | None = None  # why the grammar could not be loaded (then parser is None)
+    grammar: str | None = None  # the text that loaded (after the rewrite): an LALR rejection is confirmed on it
 
     def check(self, text: str) -> str | None:
         """None if ``text`` parses; otherwise a short reason."""
@@ -52,8 +59,38 @@ class LarkChecker:
         try:
             self.parser.parse(text)
         except lark.exceptions.LarkError as exc:
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            return f"does not match the Lark grammar ({type(exc).__name__}: {first[:160]})"
+            if self.grammar is not None and self.parser.options.parser == "lalr" and _earley_accepts(self.grammar,
+                                                                                                    text):
+                return None
+            # Lark's messages quote the offending input; a tool input never reaches the logs, so only the
+            # error kind and its position are kept.
+            line, column = getattr(exc, "line", None), getattr(exc, "column", None)
+            where = f" at line {line}, column {column}" if isinstance(line, int) and line > 0 else ""
+            return f"does not match the Lark grammar ({type(exc).__name__}{where})"
+        return None
+
+
+def _earley_accepts(grammar: str, text: str) -> bool:
+    import lark
+
+    parser = _earley(grammar)
+    if parser is None:
+        return False
+    try:
+        parser.parse(text)
+    except lark.exceptions.LarkError:
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=16)
+def _earley(grammar: str) -> lark.Lark | None:
+    """Built only when an LALR parser rejected an input (a violation, the rare path)."""
+    import lark
+
+    try:
+        return lark.Lark(grammar, parser="earley")
+    except lark.exceptions.LarkError:
         return None
 
 
@@ -106,18 +143,44 @@ def _rewrite_zero_width(grammar: str) -> str:
     return "".join(out_lines)
 
 
-@functools.lru_cache(maxsize=64)
-def load_lark(definition: str) -> LarkChecker:
+def _load(grammar: str) -> lark.Lark:
+    """LALR if the grammar is LALR(1) for lark, else Earley (whose error, if it fails too, is raised)."""
     import lark
 
     try:
-        return LarkChecker(lark.Lark(definition, parser="earley"))
+        return lark.Lark(grammar, parser="lalr")
+    except lark.exceptions.LarkError:  # GrammarError (conflicts, collisions), LexError, ConfigurationError
+        return lark.Lark(grammar, parser="earley")
+
+
+# Lark's own grammar library; any other %import would make lark open files on the gateway's disk.
+_LARK_IMPORTS = re.compile(r"^\s*%import\s+([A-Za-z_][\w.]*)", re.MULTILINE)
+_STDLIB_GRAMMARS = frozenset({"common", "lark", "python", "unicode"})
+
+
+@functools.lru_cache(maxsize=64)
+def load_lark(definition: str) -> LarkChecker:
+    foreign = [m for m in _LARK_IMPORTS.findall(definition) if m.split(".", 1)[0] not in _STDLIB_GRAMMARS]
+    if foreign:
+        return LarkChecker(None, error=f"the grammar imports {foreign[0].split('.', 1)[0]!r}, which the gateway "
+                                       "does not load")
+    try:
+        return _load_lark(definition)
+    except Exception as exc:  # lark raising something else (a missing regex module, ...): unchecked, not a 500
+        return LarkChecker(None, error=f"the Python lark package cannot load this grammar ({type(exc).__name__})")
+
+
+def _load_lark(definition: str) -> LarkChecker:
+    import lark
+
+    try:
+        return LarkChecker(_load(definition), grammar=definition)
     except lark.exceptions.LarkError as exc:
         first_error = f"{type(exc).__name__}: {str(exc).strip()[:200]}"
     rewritten = _rewrite_zero_width(definition)
     if rewritten != definition:
         try:
-            return LarkChecker(lark.Lark(rewritten, parser="earley"), rewritten=True)
+            return LarkChecker(_load(rewritten), rewritten=True, grammar=rewritten)
         except lark.exceptions.LarkError as exc:
             first_error = f"{type(exc).__name__}: {str(exc).strip()[:200]}"
     return LarkChecker(None, error=f"the Python lark package cannot load this grammar ({first_error})")
@@ -176,10 +239,17 @@ def check_arguments(info: ToolInfo, arguments: str) -> CallCheck:
         validator_cls.check_schema(schema)
     except jsonschema.SchemaError as exc:
         return CallCheck(True, unchecked=f"the parameters schema is invalid ({exc.message[:120]})")
-    error = jsonschema.exceptions.best_match(validator_cls(schema).iter_errors(value))
+    except Exception as exc:  # a client schema jsonschema chokes on ($schema: 5, ...): unchecked, never a 500
+        return CallCheck(True, unchecked=f"the parameters schema cannot be used ({type(exc).__name__})")
+    try:
+        error = jsonschema.exceptions.best_match(validator_cls(schema).iter_errors(value))
+    except Exception as exc:  # dangling, looping or remote $refs: the gateway does not fetch or recurse forever
+        return CallCheck(True, unchecked=f"the parameters schema cannot be evaluated ({type(exc).__name__})")
     if error is not None:
         where = "/".join(str(p) for p in error.absolute_path) or "(root)"
-        return CallCheck(False, f"arguments of '{info.name}' do not match its schema at {where}: {error.message[:160]}")
+        # jsonschema's message quotes the value; only the failed keyword is kept (arguments never reach the logs).
+        return CallCheck(False, f"arguments of '{info.name}' do not match its schema at {where} "
+                                f"(keyword '{error.validator}')")
     return CallCheck(True)
 
 

@@ -28,15 +28,17 @@ from gateway.errors import (
     ServiceUnavailable,
     Unauthorized,
 )
-from gateway.server.auth import ApiKeyAuth, GatewayAuthMiddleware, unauthorized, verdict
+from gateway.server.auth import ApiKeyAuth, GatewayAuthMiddleware, request_owner, unauthorized, verdict
+from gateway.server.conversations import ConversationsApi
 from gateway.server.health import Readiness
-from gateway.server.http import OrjsonResponse, SseResponse, error_response
+from gateway.server.http import OrjsonResponse, SseResponse, cancel_on_disconnect, error_response
 from gateway.server.limits import ConcurrencyLimiter, Slot, limited_stream
 from gateway.server.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
 from gateway.server.observe import Observer, ensure_logging
 from gateway.server.record import RequestRecord
 from gateway.server.responses import ResponsesHandler
 from gateway.server.shutdown import Drain
+from gateway.server.tool_loop import LazyMcpHub, McpHub
 from gateway.store import ResponseStore, open_store, run_sweeper
 from gateway.upstream.client import HOP_BY_HOP, UpstreamClient, map_transport_error
 
@@ -86,6 +88,10 @@ class _Tracked(Response):
             self.done()
 
 
+def _left(record: RequestRecord) -> None:
+    record.disconnected = True
+
+
 def _rejection(exc: GatewayError) -> str | None:
     if isinstance(exc, Unauthorized):
         return "unauthorized"
@@ -99,7 +105,8 @@ def _rejection(exc: GatewayError) -> str | None:
 
 
 def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None = None,
-               store: ResponseStore | str | None = "from-settings", observer: Observer | None = None) -> Starlette:
+               store: ResponseStore | str | None = "from-settings", observer: Observer | None = None,
+               mcp: McpHub | None = None) -> Starlette:
     """Build the gateway. ``transport`` replaces the network to the upstream (tests, the demo);
     ``store`` overrides ``settings.store`` with an already built store (or None)."""
     ensure_logging(settings.log_level)
@@ -109,7 +116,7 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
     drain = Drain()
     drain.on_abort.append(metrics.aborted_on_shutdown.inc)
     readiness = Readiness(draining=lambda: drain.draining)
-    auth = ApiKeyAuth(settings.all_api_keys())
+    auth = ApiKeyAuth(settings.all_api_keys(), owner_secret=settings.owner_secret)
     if settings.api_keys_file and not auth.enabled:
         # An empty or unreadable-looking key file would silently turn auth off: refuse to start instead.
         raise ValueError(f"--api-keys-file {settings.api_keys_file} contains no keys")
@@ -169,7 +176,10 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
 
     async def create_response(request: Request, record: RequestRecord) -> Response:
         handler: ResponsesHandler = services["responses"]
-        return await handler.create(request, record)
+        # A non-streamed answer is cancelled (its upstream request closed) if the client leaves while it waits;
+        # a streamed one watches the connection itself (SseResponse).
+        return await cancel_on_disconnect(request, lambda req: handler.create(req, record),
+                                          when=lambda: not record.stream, on_disconnect=lambda: _left(record))
 
     def _store() -> ResponseStore:
         st = services.get("store")
@@ -182,27 +192,27 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
             raise InvalidRequest("Streaming a stored response needs background mode, which this gateway does not "
                                  "offer.", param="stream", code="unsupported_parameter")
         rid = request.path_params["response_id"]
-        rec = await _store().get(rid)
+        rec = await _store().get(rid, owner=request_owner(request.scope))
         if rec is None:
             raise NotFound(f"Response with id '{rid}' not found.", param="response_id")
         return OrjsonResponse(rec.response)
 
     async def delete_response(request: Request, record: RequestRecord) -> Response:
         rid = request.path_params["response_id"]
-        if not await _store().delete(rid):
+        if not await _store().delete(rid, owner=request_owner(request.scope)):
             raise NotFound(f"Response with id '{rid}' not found.", param="response_id")
         return OrjsonResponse({"id": rid, "object": "response", "deleted": True})
 
     async def cancel_response(request: Request, record: RequestRecord) -> Response:
         rid = request.path_params["response_id"]
-        if await _store().get(rid) is None:
+        if await _store().get(rid, owner=request_owner(request.scope)) is None:
             raise NotFound(f"Response with id '{rid}' not found.", param="response_id")
         raise InvalidRequest("Only responses created with background=true can be cancelled.",
                              param="response_id", code="invalid_request")
 
     async def list_input_items(request: Request, record: RequestRecord) -> Response:
         rid = request.path_params["response_id"]
-        rec = await _store().get(rid)
+        rec = await _store().get(rid, owner=request_owner(request.scope))
         if rec is None:
             raise NotFound(f"Response with id '{rid}' not found.", param="response_id")
         return OrjsonResponse(paginate(rec.input_items, request.query_params))
@@ -231,6 +241,8 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
 
         return StreamingResponse(relay(), status_code=up.status_code, headers=headers)
 
+    hub = mcp if mcp is not None else LazyMcpHub(settings)  # a bad servers file fails here, at start-up
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         upstream = UpstreamClient(settings, transport=transport)
@@ -242,7 +254,8 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
                 sweeper = asyncio.create_task(run_sweeper(st, int(settings.store_ttl),
                                                           interval=min(300.0, max(1.0, settings.store_ttl / 10))))
         services.update(upstream=upstream, store=st,
-                        responses=ResponsesHandler(settings=settings, upstream=upstream, store=st, drain=drain))
+                        responses=ResponsesHandler(settings=settings, upstream=upstream, store=st, drain=drain,
+                                                   mcp=hub))
         app.state.services = services
         try:
             yield
@@ -252,6 +265,9 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
                 with contextlib.suppress(asyncio.CancelledError):
                     await sweeper
             await upstream.aclose()
+            closer = getattr(hub, "aclose", None)
+            if closer is not None:
+                await closer()
             if st is not None:
                 await st.close()
 
@@ -295,6 +311,7 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
               methods=["GET"]),
         Route("/v1/responses/{response_id}/cancel", wrap("/v1/responses/{id}/cancel", cancel_response),
               methods=["POST"]),
+        *ConversationsApi(store=_store, max_body_bytes=settings.max_body_bytes).routes(wrap),
         Route("/{path:path}", wrap("proxy", proxy),
               methods=["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]),
     ]

@@ -64,6 +64,12 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(PREFIX + "upstream_ready", "gauge", (), "1 when the last readiness probe of the upstream passed."),
     MetricSpec(PREFIX + "streams_aborted_on_shutdown", "counter", (),
                "Streams ended with response.failed (gateway_shutting_down) after the drain period."),
+    MetricSpec(PREFIX + "reasoning_blobs_rejected", "counter", (),
+               "Reasoning encrypted_content blobs that did not open (another key, tampered); dropped."),
+    MetricSpec(PREFIX + "mcp_calls", "counter", ("server_label", "outcome"),
+               "MCP tool calls the gateway ran: completed, failed (tool error, HTTP, timeout), not_run."),
+    MetricSpec(PREFIX + "mcp_call_duration_seconds", "histogram", ("server_label",),
+               "Duration of the MCP tool calls the gateway ran."),
 )
 
 
@@ -80,6 +86,7 @@ _BUCKETS = {
     PREFIX + "request_duration_seconds": LATENCY_BUCKETS,
     PREFIX + "time_to_first_byte_seconds": TTFB_BUCKETS,
     PREFIX + "unnamed_call_held_bytes": HELD_BYTES_BUCKETS,
+    PREFIX + "mcp_call_duration_seconds": LATENCY_BUCKETS,
 }
 
 # Only these error codes of the gateway's own errors are upstream failures (the rest are client errors).
@@ -114,6 +121,9 @@ class GatewayMetrics:
         self.enforcement: Counter = built["tool_choice_enforcement"]  # type: ignore[assignment]
         self.upstream_ready: Gauge = built["upstream_ready"]  # type: ignore[assignment]
         self.aborted_on_shutdown: Counter = built["streams_aborted_on_shutdown"]  # type: ignore[assignment]
+        self.mcp_calls: Counter = built["mcp_calls"]  # type: ignore[assignment]
+        self.reasoning_rejected: Counter = built["reasoning_blobs_rejected"]  # type: ignore[assignment]
+        self.mcp_duration: Histogram = built["mcp_call_duration_seconds"]  # type: ignore[assignment]
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -140,3 +150,9 @@ class GatewayMetrics:
             self.disconnects.labels(record.route).inc()
         for outcome in record.enforcement:
             self.enforcement.labels(outcome).inc()
+        if record.reasoning_rejected:
+            self.reasoning_rejected.inc(record.reasoning_rejected)
+        for label, outcome, seconds in record.mcp_calls:
+            self.mcp_calls.labels(label, outcome).inc()
+            if seconds is not None:
+                self.mcp_duration.labels(label).observe(seconds)

@@ -28,3 +28,5 @@ class RequestRecord:
     request_bytes: int = 0
     response_bytes: int = 0
     enforcement: list[str] = field(default_factory=list)
+    reasoning_rejected: int = 0  # sealed reasoning blobs that did not open
+    mcp_calls: list[tuple[str, str, float | None]] = field(default_factory=list)  # (server label, outcome, s)

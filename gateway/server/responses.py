@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import httpx
@@ -17,15 +17,20 @@ from gateway.enforce.constrain import ContentAsCall
 from gateway.enforce.live import GrammarTakeover
 from gateway.enforce.runner import Enforcer, Guard, Plan, StepError, Violation, plan_for, violation_response
 from gateway.errors import GatewayError, InvalidRequest, NotFound
+from gateway.protocol.conversations import conversation_ref
 from gateway.protocol.ids import new_id
 from gateway.protocol.request import parse_request_body
+from gateway.server.auth import request_owner
+from gateway.server.conversations import append_turn, conversation_history
 from gateway.server.http import OrjsonResponse, SseResponse, read_body
 from gateway.server.record import RequestRecord
 from gateway.server.shutdown import Drain, ShuttingDown
+from gateway.server.tool_loop import McpHub, ToolLoop, approvals_in
 from gateway.store import BrokenChainError, ResponseStore, StoredResponse
 from gateway.translate.chat import ChatToResponsesEvents, Event, build_chat_request
 from gateway.translate.restore import RequestState, build_request_state, restore_output, restore_response
 from gateway.translate.rewrite import build_upstream_request
+from gateway.translate.sealing import ReasoningSealer, open_sealed_reasoning, parse_keys
 from gateway.translate.tool_context import ToolInfo, resolve_tool_context
 from gateway.translate.translator import FunctionSseTranslator
 from gateway.upstream.chat import chat_completion_events, chat_event_batches, responses_event_batches
@@ -35,7 +40,7 @@ log = structlog.get_logger("gateway.responses")
 
 Persist = Callable[[dict[str, Any]], Awaitable[None]]
 
-__all__ = ["ResponsesHandler", "public_input_items"]
+__all__ = ["Answered", "Outcome", "ResponsesHandler", "Streamed", "http_response", "public_input_items"]
 
 
 def public_input_items(body: dict[str, Any]) -> list[dict[str, Any]]:
@@ -78,21 +83,37 @@ class ResponsesHandler:
     strategy: Callable[..., Awaitable[Response] | None] | None = None
     # Graceful shutdown: ends streams still running after the drain period (gateway.server.shutdown).
     drain: Drain | None = None
+    # Remote MCP servers the gateway runs tools on (gateway.mcp); None: mcp tools are refused.
+    mcp: McpHub | None = None
+    # Seals reasoning as encrypted_content (gateway.translate.sealing); built on first use from --reasoning-key.
+    sealer: ReasoningSealer | None = None
 
     async def create(self, request: Request, record: RequestRecord) -> Response:
+        """``POST /v1/responses`` over HTTP: the body read and parsed, the outcome as a starlette response."""
         raw = await read_body(request, self.settings.max_body_bytes)
         record.request_bytes = len(raw)
         body = parse_request_body(raw)
+        outcome = await self.respond(body, dict(request.headers), request_owner(request.scope), record)
+        return http_response(outcome, record)
+
+    async def respond(self, body: dict[str, Any], headers: Mapping[str, str], owner: str | None,
+                      record: RequestRecord) -> Outcome:
+        """The transport-independent producer of a response: a parsed request body in; a JSON answer (an error,
+        or a non-streamed Response) or the client's SSE frames out. The SSE handler, the WebSocket transport and
+        background runs all consume it. ``owner``: the caller's keyed key hash (None without gateway keys)."""
         record.model = body.get("model") if isinstance(body.get("model"), str) else None
         record.stream = bool(body.get("stream"))
-        body = await self._resolve_references(body)
+        body = await self._resolve_references(body, owner)
         ctx = resolve_tool_context(body)
-        history = await self._history(body)
+        history = await self._history(body, owner)
         state = build_request_state(body, ctx, response_id=new_id("resp"), created_at=int(time.time()),
                                     max_unnamed_call_bytes=self.settings.max_unnamed_call_bytes)
-        persist = self._persister(body, state) if self._should_store(body) else None
-        headers = {k: v for k, v in request.headers.items()}
+        persist = self._persister(body, state, owner) if self._should_store(body) or conversation_ref(body) \
+            else None
+        body, history, state = self._reasoning(body, history, state, record)
         extra = {"x-request-id": record.request_id}
+        if ctx.mcp_tools:
+            return await self._mcp(body, state, record, persist, history, headers, extra)
         plan = plan_for(ctx, self.settings.tool_choice_enforcement)
         if self.settings.upstream_api != "responses" or plan.active:
             enforcer = Enforcer(plan, self.upstream, self.settings, body, ctx, history, headers, record, extra)
@@ -100,11 +121,11 @@ class ResponsesHandler:
                 return await self._enforced(body, plan, enforcer, state, record, persist, history)
             except StepError as exc:
                 record.upstream_error = f"http_{exc.status}"
-                return OrjsonResponse(exc.payload, status_code=exc.status)
+                return Answered(exc.payload, exc.status)
         return await self._forward(body, state, record, persist, history, headers, extra, guard=None)
 
     async def _open_stream(self, path: str, body: dict[str, Any], headers: Mapping[str, str],
-                           extra: Mapping[str, str], record: RequestRecord) -> UpstreamResponse | Response:
+                           extra: Mapping[str, str], record: RequestRecord) -> UpstreamResponse | Answered:
         """The open upstream stream, or (an error before it started) the upstream's error in OpenAI's shape."""
         up = await self.upstream.send_json(path, body, headers, stream=True, extra_headers=extra)
         if up.ok:
@@ -114,12 +135,12 @@ class ResponsesHandler:
         finally:
             await up.aclose()
         record.upstream_error = f"http_{up.status_code}"
-        return OrjsonResponse(err, status_code=up.status_code)
+        return Answered(err, up.status_code)
 
     # ------------------------------------------------------------------ chat mode and enforcement
 
     async def _enforced(self, body: dict[str, Any], plan: Plan, enforcer: Enforcer, state: RequestState,
-                        record: RequestRecord, persist: Persist | None, history: list[dict[str, Any]]) -> Response:
+                        record: RequestRecord, persist: Persist | None, history: list[dict[str, Any]]) -> Outcome:
         """Every path but the plain one: --upstream-api chat, a guarded answer, or a constrained call."""
         guard = Guard(plan, state.ctx, enforcer) if plan.active else None
         headers, extra = enforcer.headers, enforcer.extra_headers
@@ -151,7 +172,7 @@ class ResponsesHandler:
 
     async def _forward(self, body: dict[str, Any], state: RequestState, record: RequestRecord,
                        persist: Persist | None, history: list[dict[str, Any]], headers: Mapping[str, str],
-                       extra: Mapping[str, str], *, guard: Guard | None) -> Response:
+                       extra: Mapping[str, str], *, guard: Guard | None) -> Outcome:
         """Send the request to the configured upstream API and answer from what comes back (streamed or not);
         ``guard`` checks the answer when enforcement is on."""
         model = body.get("model") if isinstance(body.get("model"), str) else None
@@ -161,14 +182,14 @@ class ResponsesHandler:
             build_upstream_request(body, state.ctx, history)
         if record.stream:
             up = await self._open_stream(path, upstream_body, headers, extra, record)
-            if isinstance(up, Response):
+            if isinstance(up, Answered):
                 return up
             batches = chat_event_batches(up, self._converter(model)) if chat else responses_event_batches(up)
             return self._stream(batches, up, state, record, persist, guard)
         status, payload = await self.upstream.post_json(path, upstream_body, headers)
         if status >= 400:
             record.upstream_error = f"http_{status}"
-            return OrjsonResponse(payload, status_code=status)
+            return Answered(payload, status)
         if not isinstance(payload, dict):
             raise GatewayError("The upstream answered with an unexpected body.", status=502, type="server_error",
                                code="upstream_error")
@@ -177,6 +198,124 @@ class ResponsesHandler:
         else:
             final = restore_response(payload, state, output=restore_output(payload.get("output") or [], state))
         return await self._finish(final, record, persist, guard)
+
+    # ------------------------------------------------------------------ gateway-executed (MCP) tools
+
+    async def _mcp(self, body: dict[str, Any], state: RequestState, record: RequestRecord, persist: Persist | None,
+                   history: list[dict[str, Any]], headers: Mapping[str, str], extra: Mapping[str, str]) -> Outcome:
+        """A response whose tools the gateway runs: the tool loop (gateway.server.tool_loop) produces it."""
+        if self.mcp is None:
+            raise InvalidRequest("This gateway does not run mcp tools.", param="tools", code="mcp_not_enabled")
+        ctx, executor = self.mcp.bind(state.ctx, body)
+        state = replace(state, ctx=ctx)
+        loop = ToolLoop(self, body, state, history, headers, extra, record, persist, executor)
+        approvals_in(loop.new_input, history)  # an answer to an unknown request is a 400 before anything runs
+        state, shown = await loop.prepare()
+        frames = loop.frames(state, shown)
+        if record.stream:
+            return Streamed(frames)
+        try:
+            async for _chunk in frames:
+                pass
+        finally:
+            await frames.aclose()
+        final = loop.translator.final_response
+        assert final is not None
+        _count_calls(record, final)
+        return Answered(final)
+
+    async def _loop_round(self, loop: ToolLoop, translator: FunctionSseTranslator,
+                          round_history: list[dict[str, Any]], withhold: bool) -> AsyncIterator[bytes]:
+        """One upstream round of the tool loop, pumped into the loop's translator."""
+        record = loop.record
+        body, ctx = loop.round_body(round_history, withhold)
+        body["stream"] = True
+        model = body.get("model") if isinstance(body.get("model"), str) else None
+        chat = self.settings.upstream_api == "chat"
+        plan = plan_for(ctx, self.settings.tool_choice_enforcement) if translator.round == 0 else plan_for(ctx, "off")
+        try:
+            if plan.constrain:
+                enforcer = Enforcer(plan, self.upstream, self.settings, body, ctx, loop.history, loop.headers,
+                                    record, loop.extra)
+                info = await enforcer.choose_tool()
+                up = await enforcer.open_args_stream(info)
+                conv = self._converter(model)
+                conv.base_usage = enforcer.usage
+                batches = chat_event_batches(up, conv, ContentAsCall(info).feed)
+            else:
+                path = "/v1/chat/completions" if chat else "/v1/responses"
+                upstream_body = build_chat_request(body, ctx, loop.history) if chat else \
+                    build_upstream_request(body, ctx, loop.history)
+                opened = await self._open_stream(path, upstream_body, loop.headers, loop.extra, record)
+                if isinstance(opened, Answered):
+                    err = opened.payload.get("error") if isinstance(opened.payload, dict) else None
+                    err = err if isinstance(err, dict) else {}
+                    yield b"".join(translator.fail("upstream_error", str(err.get("message") or
+                                                                         "The upstream refused the request.")))
+                    return
+                up = opened
+                batches = chat_event_batches(up, self._converter(model)) if chat else responses_event_batches(up)
+        except Violation as exc:
+            yield b"".join(translator.fail("tool_choice_violation", str(exc)))
+            return
+        except StepError as exc:
+            record.upstream_error = f"http_{exc.status}"
+            yield b"".join(translator.fail("upstream_error", "An enforcement step's upstream request failed."))
+            return
+        except GatewayError as exc:
+            yield b"".join(translator.fail(exc.code or "upstream_error", exc.message))
+            return
+        async for chunk in self._pump_events(batches, up, translator, record, persist=loop.persist, guard=None):
+            yield chunk
+
+    async def _loop_finished(self, translator: FunctionSseTranslator, record: RequestRecord,
+                             persist: Persist | None) -> None:
+        """The loop ended the response itself (after running a round's calls): record and store it first."""
+        final = translator.final_response
+        if final is None:
+            return
+        record.response_status = final.get("status")
+        record.usage = final.get("usage") if isinstance(final.get("usage"), dict) else None
+        if persist is not None:
+            await persist(final)
+
+    def _reasoning(self, body: dict[str, Any], history: list[dict[str, Any]], state: RequestState,
+                   record: RequestRecord) -> tuple[dict[str, Any], list[dict[str, Any]], RequestState]:
+        """Sealed reasoning: blobs in the input and history opened for the upstream (the stored input keeps what
+        the client sent); reasoning the client gets sealed when its include asks for it."""
+        include = body.get("include")
+        wants = isinstance(include, list) and "reasoning.encrypted_content" in include
+        raw = body.get("input")
+        sealed_in = any(isinstance(i, dict) and i.get("type") == "reasoning" and i.get("encrypted_content")
+                        for i in [*history, *(raw if isinstance(raw, list) else ())])
+        if not wants and not sealed_in:
+            return body, history, state
+        sealer = self.reasoning_sealer()
+        rejected = 0
+        if sealed_in:
+            if isinstance(raw, list):
+                opened, n = open_sealed_reasoning(raw, sealer)
+                body, rejected = {**body, "input": opened}, rejected + n
+            history, n = open_sealed_reasoning(history, sealer)
+            rejected += n
+        if rejected:
+            record.reasoning_rejected = rejected
+            log.warning("reasoning_blob_rejected", request_id=record.request_id, count=rejected,
+                        reason="encrypted_content did not open with the configured --reasoning-key(s)")
+        if wants:
+            state = replace(state, seal=sealer.seal)
+        return body, history, state
+
+    def reasoning_sealer(self) -> ReasoningSealer:
+        if self.sealer is None:
+            if self.settings.reasoning_key:
+                self.sealer = ReasoningSealer(parse_keys(self.settings.reasoning_key))
+            else:
+                log.warning("reasoning_key_random", message="No --reasoning-key: reasoning encrypted_content is "
+                            "sealed with a random per-process key, so it does not open after a restart or on "
+                            "another replica. Set GATEWAY_REASONING_KEY.")
+                self.sealer = ReasoningSealer.random()
+        return self.sealer
 
     def _converter(self, model: str | None) -> ChatToResponsesEvents:
         return ChatToResponsesEvents(model=model, max_unnamed_bytes=self.settings.max_unnamed_call_bytes)
@@ -194,7 +333,7 @@ class ResponsesHandler:
         return translator.final_response
 
     async def _finish(self, final: dict[str, Any], record: RequestRecord, persist: Persist | None,
-                      guard: Guard | None) -> Response:
+                      guard: Guard | None) -> Outcome:
         if guard is not None:
             final = await guard.settle(final)
         _count_calls(record, final)
@@ -202,10 +341,10 @@ class ResponsesHandler:
         record.response_status = final.get("status")
         if persist is not None:
             await persist(final)
-        return OrjsonResponse(final, headers={"x-request-id": record.request_id})
+        return Answered(final)
 
     async def _violation(self, message: str, state: RequestState, record: RequestRecord,
-                         persist: Persist | None) -> Response:
+                         persist: Persist | None) -> Outcome:
         """No call could be made at all (the pick step failed): a failed response, streamed or not."""
         translator = FunctionSseTranslator(state)
         frames = translator.fail("tool_choice_violation", message)
@@ -214,24 +353,21 @@ class ResponsesHandler:
         if persist is not None:
             await persist(final)
         if not record.stream:
-            return OrjsonResponse(final, headers={"x-request-id": record.request_id})
+            return Answered(final)
 
         async def once() -> AsyncIterator[bytes]:
             yield b"".join(frames)
 
-        return SseResponse(once(), headers={"x-request-id": record.request_id},
-                           on_disconnect=lambda: _mark_disconnect(record))
+        return Streamed(once())
 
     def _stream(self, batches: AsyncIterator[list[Event]], up: UpstreamResponse, state: RequestState,
-                record: RequestRecord, persist: Persist | None, guard: Guard | None) -> Response:
+                record: RequestRecord, persist: Persist | None, guard: Guard | None) -> Outcome:
         translator = FunctionSseTranslator(state)
         if guard is not None and guard.plan.regenerate:
             takeover = GrammarTakeover(state.ctx, guard.enforcer, lambda: _so_far(translator))
             guard.checked = takeover.checked
             batches = takeover.run(batches, up)
-        return SseResponse(self._pump_events(batches, up, translator, record, persist, guard),
-                           headers={"x-request-id": record.request_id},
-                           on_disconnect=lambda: _mark_disconnect(record))
+        return Streamed(self._pump_events(batches, up, translator, record, persist, guard))
 
     async def _pump_events(self, batches: AsyncIterator[list[Event]], up: UpstreamResponse,
                            translator: FunctionSseTranslator, record: RequestRecord, persist: Persist | None,
@@ -248,9 +384,9 @@ class ResponsesHandler:
                 async for events in (self.drain.guard(batches) if self.drain is not None else batches):
                     for event, data in events:
                         out += feed(event, data)
-                        if translator.finished:
+                        if translator.finished or translator.round_done:
                             break
-                    if translator.finished:
+                    if translator.finished or translator.round_done:
                         break
                     if out:
                         if record.ttfb is None:
@@ -287,11 +423,7 @@ class ResponsesHandler:
                     record.ttfb = time.perf_counter() - record.started
                 yield b"".join(out)
         finally:
-            aclose = getattr(batches, "aclose", None)
-            if aclose is not None:
-                await aclose()
-            await up.aclose()
-            stats = translator.stats
+            stats = translator.stats  # recorded first: a cancelled task may not get past the awaits below
             record.tool_calls = {"custom": stats.custom_calls, "function": stats.function_calls}
             record.held_bytes_peak = stats.held_bytes_peak
             record.overflowed = stats.overflowed
@@ -299,11 +431,20 @@ class ResponsesHandler:
                 # Counts only: a custom tool's input never reaches the logs.
                 log.debug("custom_input_not_input_json", request_id=record.request_id, raw=stats.raw_inputs,
                           mismatches=stats.input_mismatches)
+            aclose = getattr(batches, "aclose", None)
+            if aclose is not None:
+                await aclose()
+            if translator.acc.terminal is not None and not stats.overflowed:
+                # The upstream's own terminal event ended the answer: read the rest of its body (bounded) so
+                # the connection goes back to the pool (release() drops it instead if the task is cancelled).
+                await up.release()
+            else:  # the client left mid-answer, a gateway-side failure, an overflow: abort, vLLM stops generating
+                await up.aclose()
 
     def _should_store(self, body: dict[str, Any]) -> bool:
         return self.store is not None and body.get("store", True) is not False
 
-    async def _resolve_references(self, body: dict[str, Any]) -> dict[str, Any]:
+    async def _resolve_references(self, body: dict[str, Any], owner: str | None = None) -> dict[str, Any]:
         """``item_reference`` inputs replaced by the stored items they name (any input or output item)."""
         raw = body.get("input")
         if not isinstance(raw, list):
@@ -319,14 +460,17 @@ class ResponsesHandler:
         if self.store is None:
             raise InvalidRequest("item_reference needs a response store, and this gateway runs with --store none.",
                                  param=f"input[{min(refs)}]", code="store_disabled")
-        found = await self.store.get_items([item["id"] for item in refs.values()])
+        found = await self.store.get_items([item["id"] for item in refs.values()], owner=owner)
         for i, item in refs.items():
             if item["id"] not in found:
                 raise InvalidRequest(f"Item with id '{item['id']}' not found.", param=f"input[{i}].id",
                                      code="item_not_found")
         return {**body, "input": [found[item["id"]] if i in refs else item for i, item in enumerate(raw)]}
 
-    async def _history(self, body: dict[str, Any]) -> list[dict[str, Any]]:
+    async def _history(self, body: dict[str, Any], owner: str | None = None) -> list[dict[str, Any]]:
+        conversation = await conversation_history(self.store, body, owner)  # the `conversation` field's items
+        if conversation is not None:
+            return conversation
         prev = body.get("previous_response_id")
         if not prev:
             return []
@@ -334,7 +478,7 @@ class ResponsesHandler:
             raise InvalidRequest("previous_response_id needs a response store, and this gateway runs with "
                                  "--store none.", param="previous_response_id", code="store_disabled")
         try:
-            chain = await self.store.get_chain(prev)
+            chain = await self.store.get_chain(prev, owner=owner)
         except BrokenChainError as exc:
             raise NotFound(f"Response with id '{prev}' cannot be continued: an earlier response in its chain "
                            f"('{exc.missing_id}') no longer exists.", param="previous_response_id") from None
@@ -342,22 +486,26 @@ class ResponsesHandler:
             raise NotFound(f"Response with id '{prev}' not found.", param="previous_response_id")
         return history_from_chain(chain)
 
-    def _persister(self, body: dict[str, Any], state: RequestState) -> Callable[[dict[str, Any]], Awaitable[None]]:
+    def _persister(self, body: dict[str, Any], state: RequestState,
+                   owner: str | None = None) -> Callable[[dict[str, Any]], Awaitable[None]]:
         store = self.store
         assert store is not None
         items = public_input_items(body)
         tool_context = state.ctx.describe()
+        keep = self._should_store(body)  # False: only the conversation (if any) is written
 
         async def persist(final: dict[str, Any]) -> None:
             now = int(time.time())
             rec = StoredResponse(id=final["id"], created_at=int(final.get("created_at") or now),
                                  previous_response_id=body.get("previous_response_id"),
                                  status=str(final.get("status")), response=final, input_items=items,
-                                 tool_context=tool_context, updated_at=now)
+                                 tool_context=tool_context, updated_at=now, owner=owner)
             try:
-                await store.put(rec)
+                if keep:
+                    await store.put(rec)
             except Exception as exc:  # the client still gets its answer; the failure is logged and counted
                 log.error("store_write_failed", response_id=final.get("id"), error=type(exc).__name__)
+            await append_turn(store, body, items, final, owner)  # no-op without `conversation`; never raises
 
         return persist
 
@@ -368,6 +516,31 @@ def _so_far(translator: FunctionSseTranslator) -> tuple[dict[str, Any] | None, s
     text = "".join(up.text(ci) for _, up in sorted(acc.items.items())
                    if up.type == "message" for ci in sorted(up.texts))
     return acc.snapshot, text
+
+
+@dataclass(frozen=True, slots=True)
+class Answered:
+    """A JSON answer: a non-streamed Response (200) or an error in OpenAI's shape with its status."""
+
+    payload: Any
+    status: int = 200
+
+
+@dataclass(frozen=True, slots=True)
+class Streamed:
+    """The client's SSE frames, in order, ending with the terminal event (``event: …\ndata: {json}\n\n``)."""
+
+    frames: AsyncIterator[bytes]
+
+
+Outcome = Answered | Streamed
+
+
+def http_response(outcome: Outcome, record: RequestRecord) -> Response:
+    headers = {"x-request-id": record.request_id}
+    if isinstance(outcome, Streamed):
+        return SseResponse(outcome.frames, headers=headers, on_disconnect=lambda: _mark_disconnect(record))
+    return OrjsonResponse(outcome.payload, status_code=outcome.status, headers=headers)
 
 
 def _mark_disconnect(record: RequestRecord) -> None:

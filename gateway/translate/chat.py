@@ -57,9 +57,11 @@ def chat_tool(tool: Mapping[str, Any]) -> dict[str, Any]:
     return {"type": "function", "function": fn}
 
 
-def _text_of(content: Any) -> str:
+def _text_of(content: Any, param: str) -> str:
     if isinstance(content, str):
         return content
+    if content is not None and not isinstance(content, list):
+        raise InvalidRequest("Content must be a string or an array of parts.", param=param, code="invalid_type")
     parts = []
     for part in content or ():
         if isinstance(part, dict) and isinstance(part.get("text"), str):
@@ -100,16 +102,20 @@ def _chat_content(content: Any, param: str) -> Any:
     return parts
 
 
-def _tool_output(output: Any) -> Any:
+def _tool_output(output: Any, param: str) -> Any:
     if isinstance(output, str):
         return output
     # Text-part arrays are accepted as [{"type":"text"}] (docs/vllm-findings.md §a); images as image_url.
-    return [_chat_part(p, "output") for p in output]
+    return [_chat_part(p, f"{param}[{k}]") for k, p in enumerate(output)]
 
 
-def _reasoning_text(item: Mapping[str, Any]) -> str:
-    text = _text_of(item.get("content"))
-    return text or "".join(str(s.get("text", "")) for s in item.get("summary") or () if isinstance(s, dict))
+def _reasoning_text(item: Mapping[str, Any], param: str) -> str:
+    text = _text_of(item.get("content"), f"{param}.content")
+    summary = item.get("summary")
+    if summary is not None and not isinstance(summary, list):
+        raise InvalidRequest("A reasoning item's 'summary' must be an array of parts.", param=f"{param}.summary",
+                             code="invalid_type")
+    return text or "".join(str(s.get("text", "")) for s in summary or () if isinstance(s, dict))
 
 
 def chat_messages(body: Mapping[str, Any], ctx: ResolvedToolContext, history: Sequence[Any] = ()) -> list[dict]:
@@ -151,7 +157,7 @@ def chat_messages(body: Mapping[str, Any], ctx: ResolvedToolContext, history: Se
                 if msg.get("tool_calls"):  # text after a call is a new turn
                     msg = {"role": "assistant", "content": ""}
                     messages.append(msg)
-                msg["content"] = (msg.get("content") or "") + _text_of(item.get("content"))
+                msg["content"] = (msg.get("content") or "") + _text_of(item.get("content"), f"{p}.content")
             else:
                 messages.append({"role": role, "content": _chat_content(item.get("content"), f"{p}.content")})
         elif itype == "function_call":
@@ -162,9 +168,10 @@ def chat_messages(body: Mapping[str, Any], ctx: ResolvedToolContext, history: Se
                 "function": {"name": item.get("name"), "arguments": args if isinstance(args, str) else "{}"},
             })
         elif itype == "function_call_output":
-            messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": _tool_output(item["output"])})
+            messages.append({"role": "tool", "tool_call_id": item["call_id"],
+                             "content": _tool_output(item["output"], f"{p}.output")})
         elif itype == "reasoning":
-            text = _reasoning_text(item)
+            text = _reasoning_text(item, p)
             if text:
                 reasoning.append(text)
         elif itype == "item_reference":

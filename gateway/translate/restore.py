@@ -7,13 +7,13 @@ and namespace tools into the items the client declared.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.protocol.ids import custom_call_item_id
 from gateway.translate.custom_input import InputDecoder, final_input
-from gateway.translate.tool_context import ResolvedToolContext, ToolInfo
+from gateway.translate.tool_context import ResolvedToolContext, ToolInfo, public_tool
 from gateway.translate.usage import normalize_usage
 
 __all__ = ["RequestState", "build_request_state", "client_call_item", "restore_output", "restore_response"]
@@ -33,12 +33,20 @@ class RequestState:
     created_at: int
     max_unnamed_call_bytes: int = 256 * 1024
     extra: Mapping[str, Any] = field(default_factory=dict)
+    # Set when the request's include asks for reasoning.encrypted_content: the item -> its sealed blob.
+    seal: Callable[[Mapping[str, Any]], str] | None = None
+
+    def with_sealed(self, item: dict[str, Any]) -> dict[str, Any]:
+        """A reasoning item as the client gets it: with ``encrypted_content`` when it asked for it."""
+        if self.seal is not None and item.get("type") == "reasoning":
+            return {**item, "encrypted_content": self.seal(item)}
+        return item
 
 
 def build_request_state(body: Mapping[str, Any], ctx: ResolvedToolContext, *, response_id: str,
                         created_at: int, max_unnamed_call_bytes: int = 256 * 1024) -> RequestState:
     echo: dict[str, Any] = {
-        "tools": [dict(t) for t in ctx.initial_tools],
+        "tools": [public_tool(t) for t in ctx.initial_tools],
         "tool_choice": ctx.tool_choice,
         "parallel_tool_calls": ctx.parallel_tool_calls,
         "metadata": body.get("metadata") if isinstance(body.get("metadata"), dict) else {},
@@ -51,6 +59,10 @@ def build_request_state(body: Mapping[str, Any], ctx: ResolvedToolContext, *, re
     }
     if isinstance(body.get("model"), str):
         echo["model"] = body["model"]
+    conversation = body.get("conversation")  # "conv_…" or {"id": "conv_…"}: echoed as OpenAI does, {"id"}
+    conversation = conversation.get("id") if isinstance(conversation, dict) else conversation
+    if isinstance(conversation, str) and conversation:
+        echo["conversation"] = {"id": conversation}
     for key in ("user", "safety_identifier", "prompt_cache_key", "service_tier", "max_tool_calls", "reasoning"):
         if key in body:
             echo[key] = body[key]
@@ -129,5 +141,5 @@ def restore_output(items: list[Any], state: RequestState) -> list[Any]:
                 value = final_input(str(item.get("arguments") or ""), InputDecoder())
             out.append(client_call_item(item, info, value))
         else:
-            out.append(item)
+            out.append(state.with_sealed(item))
     return out

@@ -12,6 +12,7 @@ from typing import Any
 import orjson
 
 from gateway.errors import InvalidRequest
+from gateway.translate.mcp_items import denied_history, mcp_call_history, mcp_name
 from gateway.translate.tool_context import ResolvedToolContext, ToolInfo
 
 __all__ = ["INPUT_PARAM_SCHEMA", "build_upstream_request", "upstream_input_items", "upstream_tools"]
@@ -60,6 +61,8 @@ def _upstream_tool(info: ToolInfo) -> dict[str, Any]:
             # non-objects (null, Infinity) for a named call (docs/vllm-findings.md §f).
             "strict": True,
         }
+    if info.kind == "mcp":  # a listed MCP tool, already in function form (mcp_items.tool_function)
+        return {k: v for k, v in info.definition.items() if k != "server_label"}
     tool = dict(info.definition)
     tool["name"] = info.upstream_name
     tool.pop("defer_loading", None)
@@ -109,13 +112,45 @@ def upstream_tool_output(parts: list[Any], param: str) -> Any:
     return out
 
 
+def _mcp_upstream_name(ctx: ResolvedToolContext, item: Mapping[str, Any]) -> str:
+    label, name = str(item.get("server_label") or ""), str(item.get("name") or "")
+    info = ctx.find_mcp(label, name)
+    return info.upstream_name if info is not None else mcp_name(label, name)
+
+
+def _namespace(item: Mapping[str, Any], param: str) -> str | None:
+    namespace = item.get("namespace")
+    if namespace is not None and not isinstance(namespace, str):
+        raise InvalidRequest("A call's 'namespace' must be a string.", param=f"{param}.namespace",
+                             code="invalid_type")
+    return namespace
+
+
 def upstream_input_items(items: Sequence[Any], ctx: ResolvedToolContext, param: str = "input") -> list[Any]:
     out: list[Any] = []
+    requests = {it["id"]: it for it in items if isinstance(it, dict) and it.get("type") == "mcp_approval_request"
+                and isinstance(it.get("id"), str)}
     for i, item in enumerate(items):
         p = f"{param}[{i}]"
         if not isinstance(item, dict):
             raise InvalidRequest("Each input item must be an object.", param=p, code="invalid_type")
         itype = item.get("type")
+        if itype in ("mcp_list_tools", "mcp_approval_request"):
+            continue  # the listing becomes the tools; a request is answered by an mcp_approval_response
+        if itype == "mcp_call":
+            out += mcp_call_history(item, _mcp_upstream_name(ctx, item))
+            continue
+        if itype == "mcp_approval_response":
+            # Approved: the call the gateway then runs follows in the history. Denied: the model is told.
+            request_id = item.get("approval_request_id")
+            if not isinstance(request_id, str):
+                raise InvalidRequest("An mcp_approval_response needs a string 'approval_request_id'.",
+                                     param=f"{p}.approval_request_id", code="invalid_type")
+            request = requests.get(request_id)
+            if request is not None and item.get("approve") is False:
+                out += denied_history(request, _mcp_upstream_name(ctx, request),
+                                      item.get("reason") if isinstance(item.get("reason"), str) else None)
+            continue
         if itype == "custom_tool_call":
             raw = item.get("input")
             if not isinstance(raw, str) or not isinstance(item.get("call_id"), str):
@@ -124,7 +159,7 @@ def upstream_input_items(items: Sequence[Any], ctx: ResolvedToolContext, param: 
             out.append({
                 "type": "function_call",
                 "call_id": item["call_id"],
-                "name": ctx.to_upstream_name(str(item.get("name", "")), item.get("namespace")),
+                "name": ctx.to_upstream_name(str(item.get("name", "")), _namespace(item, p)),
                 "arguments": orjson.dumps({"input": raw}).decode(),
                 "status": "completed",
             })
@@ -135,8 +170,9 @@ def upstream_input_items(items: Sequence[Any], ctx: ResolvedToolContext, param: 
                         "output": _check_output_parts(item.get("output"), f"{p}.output")})
         elif itype == "function_call":
             call = {k: v for k, v in item.items() if k not in ("namespace", "caller", "async")}
-            if item.get("namespace"):
-                call["name"] = ctx.to_upstream_name(str(item.get("name", "")), item["namespace"])
+            namespace = _namespace(item, p)
+            if namespace:
+                call["name"] = ctx.to_upstream_name(str(item.get("name", "")), namespace)
             if isinstance(call.get("id"), str) and not call["id"].startswith("fc_"):
                 call.pop("id")
             out.append(call)

@@ -14,20 +14,21 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any, Literal
 
 from gateway.errors import InvalidRequest
 
-ToolKind = Literal["function", "custom", "other"]
+ToolKind = Literal["function", "custom", "mcp", "other"]
 
 UPSTREAM_NAME_LIMIT = 64
 _VALID_NAME = re.compile(r"^[a-zA-Z0-9_-]+$")
 CALLABLE_TYPES = ("function", "custom")
 
-__all__ = ["ResolvedToolContext", "ToolInfo", "flat_name", "resolve_tool_context"]
+__all__ = ["ResolvedToolContext", "ToolInfo", "flat_name", "public_tool", "resolve_tool_context", "with_mcp_tools"]
+_LABEL = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +60,22 @@ class ResolvedToolContext:
     other_tools: tuple[Mapping[str, Any], ...]
     allowed_upstream_names: frozenset[str] | None
     upstream_tool_choice: Any
+    # Remote MCP servers (``{"type":"mcp",…}``) the gateway runs itself; never sent upstream as such.
+    mcp_tools: tuple[Mapping[str, Any], ...] = ()
+
+    @property
+    def server_label_of(self) -> Mapping[str, str]:
+        return {i.upstream_name: str(i.definition.get("server_label")) for i in self.by_upstream_name.values()
+                if i.kind == "mcp"}
+
+    def mcp_server(self, label: str) -> Mapping[str, Any] | None:
+        return next((t for t in self.mcp_tools if t.get("server_label") == label), None)
+
+    def find_mcp(self, label: str, name: str) -> ToolInfo | None:
+        for info in self.by_upstream_name.values():
+            if info.kind == "mcp" and info.name == name and info.definition.get("server_label") == label:
+                return info
+        return None
 
     def lookup(self, upstream_name: str | None) -> ToolInfo | None:
         return self.by_upstream_name.get(upstream_name) if upstream_name else None
@@ -82,7 +99,7 @@ class ResolvedToolContext:
     @property
     def pinned_tools(self) -> tuple[ToolInfo, ...]:
         """The tools a call must come from when ``tool_choice`` demands a call; () when it does not."""
-        choice = self.tool_choice
+        choice = _as_declared(self.tool_choice, self.by_upstream_name)
         if choice == "required":
             return self._allowed()
         if isinstance(choice, dict):
@@ -90,6 +107,8 @@ class ResolvedToolContext:
             if ctype in CALLABLE_TYPES:
                 info = self._named(choice)
                 return (info,) if info else ()
+            if ctype == "mcp":  # pinned like a named function (or required among that server's tools)
+                return self._allowed() if self.allowed_upstream_names is not None else ()
             if ctype == "allowed_tools" and choice.get("mode") == "required":
                 return self._allowed()
         return ()
@@ -104,13 +123,23 @@ class ResolvedToolContext:
     def describe(self) -> dict[str, Any]:
         """A JSON-able summary, for storage."""
         return {
-            "initial_tools": [dict(t) for t in self.initial_tools],
-            "effective_tools": [dict(t) for t in self.effective_tools],
+            "initial_tools": [public_tool(t) for t in self.initial_tools],
+            "effective_tools": [public_tool(t) for t in self.effective_tools],
             "tool_choice": self.tool_choice,
             "parallel_tool_calls": self.parallel_tool_calls,
             "tools": {k: {"kind": v.kind, "name": v.name, "namespace": v.namespace}
                       for k, v in self.by_upstream_name.items()},
         }
+
+
+_SECRET_KEYS = ("headers", "authorization")
+
+
+def public_tool(tool: Mapping[str, Any]) -> dict[str, Any]:
+    """A tool as it may be echoed or stored: an mcp tool's credentials go to its server only."""
+    if tool.get("type") == "mcp" and any(k in tool for k in _SECRET_KEYS):
+        return {k: v for k, v in tool.items() if k not in _SECRET_KEYS}
+    return dict(tool)
 
 
 def flat_name(namespace: str, member: str) -> str:
@@ -158,6 +187,8 @@ def _check_tool(tool: Any, param: str) -> Mapping[str, Any]:
         if params is not None and not isinstance(params, dict):
             raise _err(f"Function tool '{tool.get('name')}' has 'parameters' that is not an object.",
                        f"{param}.parameters", "invalid_type")
+    if ttype == "mcp":
+        _check_mcp(tool, param)
     if ttype == "namespace":
         members = tool.get("tools")
         if not isinstance(members, list) or not members:
@@ -168,6 +199,32 @@ def _check_tool(tool: Any, param: str) -> Mapping[str, Any]:
                 raise _err(f"Namespace '{tool.get('name')}' may only contain function and custom tools.",
                            f"{param}.tools[{j}].type")
     return tool
+
+
+def _check_mcp(tool: Mapping[str, Any], param: str) -> None:
+    label = tool.get("server_label")
+    if not isinstance(label, str) or not _LABEL.match(label):
+        raise _err("An mcp tool needs a 'server_label' of letters, digits, '_' or '-' (at most 64).",
+                   f"{param}.server_label", "missing_required_parameter" if label is None else "invalid_value")
+    for key in ("server_url", "server_description", "authorization"):
+        if tool.get(key) is not None and not isinstance(tool.get(key), str):
+            raise _err(f"The mcp tool's '{key}' must be a string.", f"{param}.{key}", "invalid_type")
+    headers = tool.get("headers")
+    if headers is not None and (not isinstance(headers, dict)
+                                or not all(isinstance(k, str) and isinstance(v, str) for k, v in headers.items())):
+        raise _err("The mcp tool's 'headers' must be an object of strings.", f"{param}.headers", "invalid_type")
+    allowed = tool.get("allowed_tools")
+    names = allowed.get("tool_names") if isinstance(allowed, dict) else allowed
+    if allowed is not None and (not isinstance(names, list) or not all(isinstance(n, str) for n in names)):
+        raise _err("'allowed_tools' must be a list of tool names or {\"tool_names\": [...]}.",
+                   f"{param}.allowed_tools", "invalid_type")
+    policy = tool.get("require_approval")
+    if policy is not None and policy not in ("always", "never"):
+        ok = isinstance(policy, dict) and set(policy) <= {"always", "never"} and all(
+            isinstance(v, dict) and isinstance(v.get("tool_names", []), list) for v in policy.values())
+        if not ok:
+            raise _err("'require_approval' must be 'always', 'never' or {\"always\": {\"tool_names\": […]}, "
+                       "\"never\": {\"tool_names\": […]}}.", f"{param}.require_approval")
 
 
 def _dynamic_tools(body: Mapping[str, Any]) -> list[tuple[Mapping[str, Any], str]]:
@@ -220,6 +277,7 @@ def resolve_tool_context(body: Mapping[str, Any]) -> ResolvedToolContext:
     by_upstream: dict[str, ToolInfo] = {}
     public_seen: dict[tuple[str | None, str], str] = {}
     others: list[Mapping[str, Any]] = []
+    mcp: list[Mapping[str, Any]] = []
 
     def register(tool: Mapping[str, Any], param: str, namespace: str | None) -> None:
         name = tool["name"]
@@ -244,17 +302,24 @@ def resolve_tool_context(body: Mapping[str, Any]) -> ResolvedToolContext:
         elif ttype == "namespace":
             for j, member in enumerate(tool["tools"]):
                 register(member, f"{param}.tools[{j}]", tool["name"])
+        elif ttype == "mcp":
+            if any(m["server_label"] == tool["server_label"] for m in mcp):
+                raise _err(f"Duplicate mcp server_label '{tool['server_label']}'.", f"{param}.server_label",
+                           "duplicate_tool_name")
+            mcp.append(tool)
         else:
             others.append(tool)
 
-    has_tools = bool(by_upstream or others)
+    has_tools = bool(by_upstream or others or mcp)
     ptc = body.get("parallel_tool_calls")
     if ptc is not None and not isinstance(ptc, bool):
         raise _err("'parallel_tool_calls' must be a boolean.", "parallel_tool_calls", "invalid_type")
 
     given = "tool_choice" in body and body["tool_choice"] is not None
     choice = body.get("tool_choice") if given else ("auto" if has_tools else "none")
-    allowed, upstream_choice = _resolve_choice(choice, given, has_tools, by_upstream)
+    labels = frozenset(str(m["server_label"]) for m in mcp)
+    allowed, upstream_choice = _resolve_choice(_as_declared(choice, by_upstream), given, has_tools, by_upstream,
+                                               labels, listed=False)
 
     return ResolvedToolContext(
         initial_tools=tuple(raw_tools),
@@ -267,13 +332,79 @@ def resolve_tool_context(body: Mapping[str, Any]) -> ResolvedToolContext:
         other_tools=tuple(others),
         allowed_upstream_names=allowed,
         upstream_tool_choice=upstream_choice,
+        mcp_tools=tuple(mcp),
     )
 
 
+def with_mcp_tools(ctx: ResolvedToolContext, listed: Mapping[str, Sequence[Mapping[str, Any]]]) -> ResolvedToolContext:
+    """The context once the MCP servers' tools are known: each listed tool (already filtered by
+    ``allowed_tools``) becomes an upstream function of kind ``mcp``, and ``tool_choice`` is resolved
+    against them. ``listed`` maps a server label to its tools (``name``, ``description``, ``input_schema``)."""
+    from gateway.translate.mcp_items import mcp_name, tool_function  # mcp_items imports nothing from here
+
+    by_upstream = dict(ctx.by_upstream_name)
+    for label, tools in listed.items():
+        server = ctx.mcp_server(label)
+        if server is None:
+            continue
+        for tool in tools:
+            name = str(tool.get("name"))
+            upstream = mcp_name(label, name)
+            if upstream in by_upstream:
+                raise _err(f"The MCP tool '{name}' of server '{label}' maps to the upstream function name "
+                           f"'{upstream}', which another tool already uses.", "tools", "duplicate_tool_name")
+            definition = {**tool_function(upstream, tool, server), "server_label": label}
+            by_upstream[upstream] = ToolInfo("mcp", name, upstream, None, definition)
+    labels = frozenset(str(m["server_label"]) for m in ctx.mcp_tools)
+    allowed, upstream_choice = _resolve_choice(_as_declared(ctx.tool_choice, by_upstream), ctx.tool_choice_given,
+                                               True, by_upstream, labels, listed=True)
+    return replace(ctx, by_upstream_name=MappingProxyType(by_upstream), allowed_upstream_names=allowed,
+                   upstream_tool_choice=upstream_choice)
+
+
+# OpenAI's own tool types that clients send as tool_choice for a same-named tool they declared themselves: the
+# Vercel AI SDK forces a custom tool named apply_patch with {"type": "apply_patch"}.
+_BUILTIN_CHOICES = ("apply_patch", "shell")
+
+
+def _as_declared(choice: Any, by_upstream: Mapping[str, ToolInfo]) -> Any:
+    """``{"type": "apply_patch"}`` as ``{"type": <kind>, "name": "apply_patch"}`` when such a tool is declared."""
+    if isinstance(choice, dict) and choice.get("type") in _BUILTIN_CHOICES and "name" not in choice:
+        info = _resolve_named(by_upstream, {"name": choice["type"]})
+        if info is not None and info.kind in CALLABLE_TYPES:
+            return {"type": info.kind, "name": info.name}
+    return choice
+
+
+def _mcp_choice(entry: Mapping[str, Any], param: str, by_upstream: Mapping[str, ToolInfo], labels: frozenset[str],
+                listed: bool) -> list[ToolInfo]:
+    """The tools an ``{"type":"mcp","server_label":L,"name"?:N}`` choice names (all of L's without a name)."""
+    label, name = entry.get("server_label"), entry.get("name")
+    if not isinstance(label, str):
+        raise _err("An mcp tool_choice needs a string 'server_label'.", f"{param}.server_label", "invalid_type")
+    if label not in labels:
+        raise _err(f"tool_choice names the MCP server '{label}', which is not among the declared tools.",
+                   f"{param}.server_label", "tool_not_found")
+    if name is not None and not isinstance(name, str):
+        raise _err("An mcp tool_choice's 'name' must be a string.", f"{param}.name", "invalid_type")
+    if not listed:
+        return []
+    found = [i for i in by_upstream.values() if i.kind == "mcp" and i.definition.get("server_label") == label
+             and (name is None or i.name == name)]
+    if not found:
+        what = f"the tool '{name}'" if name else "any tool"
+        raise _err(f"tool_choice asks for {what} of the MCP server '{label}', which did not list it.",
+                   f"{param}.name" if name else f"{param}.server_label", "tool_not_found")
+    return found
+
+
 def _resolve_choice(
-    choice: Any, given: bool, has_tools: bool, by_upstream: Mapping[str, ToolInfo]
+    choice: Any, given: bool, has_tools: bool, by_upstream: Mapping[str, ToolInfo],
+    labels: frozenset[str] = frozenset(), *, listed: bool = True,
 ) -> tuple[frozenset[str] | None, Any]:
-    """Validate ``tool_choice``; return the upstream tool-name filter and the upstream tool_choice."""
+    """Validate ``tool_choice``; return the upstream tool-name filter and the upstream tool_choice.
+
+    Before the MCP servers are listed (``listed=False``) an mcp choice is only checked for its label."""
     if isinstance(choice, str):
         if choice not in ("none", "auto", "required"):
             raise _err(f"Invalid tool_choice '{choice}': expected 'none', 'auto', 'required' or an object.",
@@ -298,6 +429,13 @@ def _resolve_choice(
             raise _err(f"tool_choice asks for a {ctype} tool, but '{name}' is declared as a {info.kind} "
                        "tool.", "tool_choice.type")
         return None, {"type": "function", "name": info.upstream_name}
+    if ctype == "mcp":
+        found = _mcp_choice(choice, "tool_choice", by_upstream, labels, listed)
+        if not listed:
+            return None, "auto"
+        if len(found) == 1:
+            return frozenset({found[0].upstream_name}), {"type": "function", "name": found[0].upstream_name}
+        return frozenset(i.upstream_name for i in found), "required"
     if ctype == "allowed_tools":
         mode = choice.get("mode")
         if mode not in ("auto", "required"):
@@ -324,7 +462,10 @@ def _resolve_choice(
                     raise _err(f"allowed_tools names the namespace '{entry.get('name')}', which is not "
                                "declared.", f"tool_choice.tools[{j}]", "tool_not_found")
                 names.update(i.upstream_name for i in members)
-            # Hosted tools (mcp, image_generation, ...) never reach the upstream as functions.
+            elif etype == "mcp":
+                names.update(i.upstream_name for i in _mcp_choice(entry, f"tool_choice.tools[{j}]", by_upstream,
+                                                                  labels, listed))
+            # Other hosted tools (image_generation, ...) never reach the upstream as functions.
         return frozenset(names), mode
     # Hosted or newer choices: passed through untouched.
     return None, choice

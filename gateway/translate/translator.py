@@ -12,7 +12,18 @@ sees (``_Item.kind``):
 * ``pass``       messages, reasoning and anything unknown, passed through;
 * ``pending``    a call whose name has not arrived: its frames are held (at most
                  ``max_unnamed_call_bytes`` per response) until the name arrives, then released in order;
-* ``suppressed`` a call after the first one when ``parallel_tool_calls`` is false: nothing is emitted.
+* ``suppressed`` a call after the first one when ``parallel_tool_calls`` is false: nothing is emitted;
+* ``mcp``        a gateway-owned call of a listed MCP tool: the client sees an ``mcp_call`` item and
+                 ``mcp_call_arguments`` events, never the function call; the item stays open after the
+                 upstream's done until the I/O shell runs the call and hands the result to ``complete_owned``;
+* ``approval``   the same call when its server requires approval: an ``mcp_approval_request`` item.
+
+Rounds (the tool loop). When an upstream response ends with gateway-owned calls still to run, the
+translator does not emit a terminal event: ``round_done`` is set, the shell runs the calls
+(``owned_calls``/``complete_owned``), then either starts the next upstream response into the same client
+response (``next_round``) or ends it (``end``). Output indexes, sequence numbers and the output list
+continue across rounds; usage is summed. Items the gateway makes itself (``mcp_list_tools``, a call run
+after an approval) are emitted with ``owned_item``.
 
 ``sequence_number`` is renumbered from 0 over the emitted events and ``output_index`` is assigned in
 emission order, so both stay contiguous whatever is held or suppressed. A frame whose numbers already
@@ -34,8 +45,10 @@ import orjson
 
 from gateway.translate.accumulator import ResponseAccumulator, UpstreamItem
 from gateway.translate.custom_input import InputDecoder, final_input
+from gateway.translate.mcp_items import approval_request_item, approval_required, mcp_call_item
 from gateway.translate.restore import RequestState, client_call_item, restore_response
 from gateway.translate.tool_context import ToolInfo
+from gateway.translate.usage import add_usage
 
 __all__ = ["FunctionSseTranslator", "TranslatorStats"]
 
@@ -57,6 +70,7 @@ class TranslatorStats:
     overflowed: bool = False
     input_mismatches: int = 0
     raw_inputs: int = 0
+    mcp_calls: int = 0
 
 
 @dataclass(slots=True)
@@ -72,6 +86,8 @@ class _Item:
     input_done: str | None = None
     args_done_sent: bool = False
     final: dict[str, Any] | None = None
+    opened: dict[str, Any] | None = None  # a gateway-owned item as announced (mcp_call / approval request)
+    round: int = 0
 
     @property
     def open(self) -> bool:
@@ -93,6 +109,10 @@ class FunctionSseTranslator:
         self._created = False
         self._in_progress = False
         self._call_shown = False
+        self.round = 0
+        self.round_done = False
+        self._usage: dict[str, Any] | None = None  # summed over finished rounds
+        self._round_terminal: dict[str, Any] | None = None
         self._handlers: dict[str, Callable[[str, dict[str, Any], str], list[bytes]]] = {
             "response.output_item.added": self._on_added,
             "response.output_item.done": self._on_item_done,
@@ -127,6 +147,10 @@ class FunctionSseTranslator:
         if "output_index" in d:
             return self._on_sub_event(etype, d, data)
         return self._forward(etype, d, data)
+
+    def start(self) -> list[bytes]:
+        """``response.created`` and ``.in_progress`` now, if not sent yet (a response the gateway opens itself)."""
+        return self._ensure_started()
 
     def finish(self) -> list[bytes]:
         """The upstream stream ended. Without a terminal event that is a failure, never a hang."""
@@ -234,7 +258,17 @@ class FunctionSseTranslator:
         status = resp.get("status") if resp.get("status") in ("completed", "incomplete", "failed") else None
         if status is None:
             status = etype.removeprefix("response.") if etype != "response.completed" else "completed"
-        out += self._close_open_items("completed" if status == "completed" else "incomplete")
+        if status == "completed" and self.owned_calls():
+            # The tool loop runs these calls; the client response goes on (next_round) or ends (end).
+            self.round_done = True
+            self._round_terminal = resp
+            return out
+        return out + self._terminal(resp, status)
+
+    def _terminal(self, resp: dict[str, Any], status: str) -> list[bytes]:
+        out = self._close_open_items("completed" if status == "completed" else "incomplete")
+        if self._usage is not None:
+            resp = {**resp, "usage": add_usage(self._usage, resp.get("usage"))}
         error = resp.get("error") if isinstance(resp.get("error"), dict) else None
         if status == "failed" and error is None:
             error = {"code": "upstream_failed", "message": "The upstream reported the response as failed."}
@@ -290,6 +324,8 @@ class FunctionSseTranslator:
         st.info = self.state.ctx.lookup(up.name)
         base = dict(up.item)
         base["name"] = up.name
+        if st.info is not None and st.info.kind == "mcp":
+            return self._open_owned(st)
         if st.info is not None and st.info.kind == "custom":
             st.kind = "custom"
             st.decoder = InputDecoder()
@@ -305,6 +341,132 @@ class FunctionSseTranslator:
         st.item_id = item.get("id")
         self._assign(st)
         return [self._emit("response.output_item.added", {"output_index": st.client_index, "item": item})]
+
+    # ------------------------------------------------------------------ gateway-owned calls (MCP)
+
+    def _open_owned(self, st: _Item) -> list[bytes]:
+        info = st.info
+        assert info is not None
+        label = str(info.definition.get("server_label"))
+        server = self.state.ctx.mcp_server(label) or {}
+        suffix = str(st.up.item.get("id") or "").partition("_")[2] or None
+        if approval_required(server, info.name):
+            st.kind = "approval"
+            item = approval_request_item(label, info.name, "", item_id=f"mcpr_{suffix}" if suffix else None)
+        else:
+            st.kind = "mcp"
+            item = mcp_call_item(label, info.name, "", item_id=f"mcp_{suffix}" if suffix else None)
+        self.stats.mcp_calls += 1
+        st.item_id = item["id"]
+        st.opened = item
+        st.round = self.round
+        self._assign(st)
+        return [self._emit("response.output_item.added", {"output_index": st.client_index, "item": dict(item)})]
+
+    def _owned_sub_event(self, st: _Item, etype: str, d: dict[str, Any]) -> list[bytes]:
+        if st.kind != "mcp":
+            return []  # an approval request shows its arguments when it is done
+        base = {"item_id": st.item_id, "output_index": st.client_index}
+        if etype == "response.function_call_arguments.delta":
+            delta = str(d.get("delta", ""))
+            return [self._emit("response.mcp_call_arguments.delta", {**base, "delta": delta})] if delta else []
+        if etype == "response.function_call_arguments.done":
+            return self._owned_args_done(st)
+        return []
+
+    def _owned_args_done(self, st: _Item) -> list[bytes]:
+        if st.args_done_sent:
+            return []
+        st.args_done_sent = True
+        base = {"item_id": st.item_id, "output_index": st.client_index}
+        return [self._emit("response.mcp_call_arguments.done", {**base, "arguments": st.up.arguments}),
+                self._emit("response.mcp_call.in_progress", dict(base))]
+
+    def _close_owned(self, st: _Item, status: str) -> list[bytes]:
+        assert st.opened is not None
+        if st.kind == "approval":
+            final = {**st.opened, "arguments": st.up.arguments}
+            st.final = final
+            return [self._emit("response.output_item.done", {"output_index": st.client_index, "item": final})]
+        if status != "completed":  # cut off before the call could run
+            out = self._owned_args_done(st)
+            return out + self._owned_result(st, None, None, status="incomplete")
+        return self._owned_args_done(st)  # stays open: the shell runs it (complete_owned)
+
+    def owned_calls(self) -> list[dict[str, Any]]:
+        """Gateway-owned calls of this round whose arguments are complete and that have not run yet."""
+        return [{"key": st.item_id, "server_label": st.opened["server_label"], "name": st.opened["name"],
+                 "arguments": st.up.arguments, "upstream_name": st.up.name}
+                for st in self._order
+                if st.kind == "mcp" and st.final is None and st.args_done_sent and st.opened is not None]
+
+    @property
+    def approval_requested(self) -> bool:
+        return any(st.kind == "approval" and st.round == self.round for st in self._order)
+
+    @property
+    def client_calls_in_round(self) -> bool:
+        return any(st.kind in ("custom", "function") and st.round == self.round for st in self._order)
+
+    def complete_owned(self, key: str, output: str | None = None, error: dict[str, Any] | None = None
+                       ) -> list[bytes]:
+        """A gateway-owned call ran: ``response.mcp_call.completed`` (or ``.failed``), then its done item."""
+        st = next((s for s in self._order if s.item_id == key and s.kind == "mcp" and s.final is None), None)
+        if st is None:
+            return []
+        return self._owned_result(st, output, error, status="failed" if error is not None else "completed")
+
+    def _owned_result(self, st: _Item, output: str | None, error: dict[str, Any] | None, *, status: str
+                      ) -> list[bytes]:
+        assert st.opened is not None
+        final = {**st.opened, "arguments": st.up.arguments, "output": output, "error": error, "status": status}
+        st.final = final
+        base = {"item_id": st.item_id, "output_index": st.client_index}
+        out = []
+        if status in ("completed", "failed"):
+            out.append(self._emit(f"response.mcp_call.{status}", dict(base)))
+        out.append(self._emit("response.output_item.done", {"output_index": st.client_index, "item": final}))
+        return out
+
+    def owned_item(self, item: dict[str, Any], events: list[tuple[str, dict[str, Any]]],
+                   final: dict[str, Any] | None = None) -> list[bytes]:
+        """An item the gateway made itself (``mcp_list_tools``, a call run after approval): added, ``events``
+        (given without item_id/output_index), done."""
+        out = self._ensure_started()
+        st = _Item(UpstreamItem(-1), kind="owned", item_id=item.get("id"), round=self.round)
+        self._assign(st)
+        base = {"item_id": st.item_id, "output_index": st.client_index}
+        out.append(self._emit("response.output_item.added", {"output_index": st.client_index, "item": dict(item)}))
+        for etype, payload in events:
+            out.append(self._emit(etype, {**base, **payload}))
+        st.final = final if final is not None else item
+        out.append(self._emit("response.output_item.done", {"output_index": st.client_index, "item": st.final}))
+        return out
+
+    def round_items(self) -> list[dict[str, Any]]:
+        """The public items of the round that just ended (the next round's history)."""
+        return [st.final for st in self._order if st.round == self.round and st.final is not None]
+
+    def next_round(self) -> None:
+        """Read the next upstream response into the same client response."""
+        if self._round_terminal is not None:
+            self._usage = add_usage(self._usage, self._round_terminal.get("usage"))
+        self._round_terminal = None
+        self.round += 1
+        self.round_done = False
+        self.finished = False
+        self.acc = ResponseAccumulator()
+        self._items = {}
+        self._call_shown = False  # parallel_tool_calls: false allows one call per round
+
+    def end(self) -> list[bytes]:
+        """End the client response after a round whose calls ran (no further round)."""
+        if self.finished:
+            return []
+        resp = self._round_terminal or self.acc.snapshot or {}
+        self._round_terminal = None
+        self.round_done = False
+        return self._terminal(dict(resp), "completed")
 
     def _hold(self, st: _Item, etype: str, d: dict[str, Any], data: str) -> list[bytes]:
         size = len(data)
@@ -352,6 +514,8 @@ class FunctionSseTranslator:
         kind = st.kind
         if kind == "suppressed":
             return []
+        if kind == "mcp" or kind == "approval":
+            return self._owned_sub_event(st, etype, d)
         if kind == "custom":
             if etype == "response.function_call_arguments.delta":
                 return self._custom_delta(st, str(d.get("delta", "")))
@@ -439,6 +603,11 @@ class FunctionSseTranslator:
             out += self._open_call(st)
             if st.kind == "suppressed":
                 return out
+            if st.kind in ("mcp", "approval"):
+                if st.kind == "mcp" and up.arguments:
+                    out += self._owned_sub_event(st, "response.function_call_arguments.delta",
+                                                 {"delta": up.arguments})
+                return out + self._close_item(st, "completed")
             if st.kind == "custom":
                 out += self._custom_done(st, up.arguments)
             else:
@@ -499,6 +668,8 @@ class FunctionSseTranslator:
         """``output_item.done`` with the authoritative item (the upstream's done item, or what we built)."""
         if st.kind == "suppressed" or st.client_index < 0 or st.final is not None:
             return []
+        if st.kind in ("mcp", "approval"):
+            return self._close_owned(st, status)
         up = st.up
         out: list[bytes] = []
         if st.kind == "custom":
@@ -514,6 +685,7 @@ class FunctionSseTranslator:
             if not up.done:
                 final = _with_partial_text(final, up)
                 final["status"] = status
+            final = self.state.with_sealed(final)
         st.final = final
         out.append(self._emit("response.output_item.done", {"output_index": st.client_index, "item": final}))
         return out

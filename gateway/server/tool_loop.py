@@ -1,0 +1,355 @@
+"""The tool loop: one client response over several upstream rounds, running gateway-owned (MCP) calls between
+them. Transport-independent: it yields the client's SSE frames, which the HTTP handler streams (or collects for
+a non-streamed answer), and which the WebSocket transport and background runs consume too. No starlette here.
+
+A response with MCP tools runs as:
+
+1. *Listing* (before any upstream request): for each MCP server, its tools are listed (``tools/list``, filtered
+   by ``allowed_tools``) — or reused from an ``mcp_list_tools`` item already in the conversation — and shown as
+   an ``mcp_list_tools`` item. A server that cannot be listed gets the item's ``error`` and is left out.
+2. *Approvals* carried by the input (``mcp_approval_response``): approved calls run now and are shown as
+   ``mcp_call`` items with their ``approval_request_id``; denied ones are told to the model (rewrite.py).
+3. *Rounds*: the upstream answers; calls of listed tools are gateway-owned (the translator shows ``mcp_call``
+   items and keeps them open); at the round's end the gateway runs them (a few at a time, each with
+   ``--mcp-call-timeout``), shows their results and sends the conversation plus those calls and outputs
+   upstream again, into the same client response. A round that also calls client tools, or asks for an
+   approval, ends the response there (its gateway-owned calls run first).
+4. *Bounds*: ``max_tool_calls`` caps the calls run per response, ``--max-tool-rounds`` the rounds that run
+   calls; past either, one more round runs with the tools withheld so the model answers in text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Protocol
+
+import orjson
+import structlog
+
+from gateway.errors import InvalidRequest
+from gateway.server.shutdown import ShuttingDown
+from gateway.translate.mcp_items import McpCallOutcome, allowed_names, list_tools_item, mcp_call_item
+from gateway.translate.restore import RequestState
+from gateway.translate.tool_context import ResolvedToolContext, with_mcp_tools
+from gateway.translate.translator import FunctionSseTranslator
+
+if TYPE_CHECKING:
+    from gateway.server.record import RequestRecord
+
+log = structlog.get_logger("gateway.mcp")
+
+__all__ = ["CALL_CONCURRENCY", "LazyMcpHub", "McpExecutor", "McpHub", "Shown", "ToolLoop", "approvals_in",
+           "reused_listings"]
+
+CALL_CONCURRENCY = 4  # calls of one round run at most this many at a time
+WITHHELD = {"type": "mcp_tool_execution_error",
+            "content": [{"type": "text", "text": "Not run: the response reached its tool-round or call bound."}]}
+SHUTDOWN = {"type": "http_error", "code": 503, "message": "The gateway shut down before the call finished."}
+NOT_RUN = {"type": "mcp_tool_execution_error",
+           "content": [{"type": "text", "text": "Not run: the response reached max_tool_calls."}]}
+
+
+@dataclass(frozen=True, slots=True)
+class Shown:
+    """A gateway-made item: as announced, its events (without item_id/output_index), as done."""
+
+    opened: dict[str, Any]
+    events: list[tuple[str, dict[str, Any]]]
+    final: dict[str, Any]
+
+
+class McpExecutor(Protocol):
+    """What the loop needs from the MCP I/O layer (gateway.mcp), per server label."""
+
+    async def list_tools(self, label: str) -> list[dict[str, Any]]: ...
+
+    async def call_tool(self, label: str, name: str, arguments: dict[str, Any]) -> McpCallOutcome: ...
+
+
+class McpHub(Protocol):
+    """Binds one request's MCP tools to their servers (allowlist, servers file, credentials, pooled sessions):
+    the context with servers-file defaults merged in, and the executor (raises InvalidRequest first)."""
+
+    def bind(self, ctx: ResolvedToolContext, body: Mapping[str, Any]) -> tuple[ResolvedToolContext, McpExecutor]:
+        ...
+
+
+class LazyMcpHub:
+    """The process's hub, built on the first request with mcp tools: the MCP SDK costs ~20 MB of RSS, which a
+    gateway that never runs MCP tools should not pay. A servers file is loaded (and checked) at start-up."""
+
+    def __init__(self, settings: Any) -> None:
+        self.settings = settings
+        self._hub: Any = None
+        if settings.mcp_servers_file:
+            self._load()
+
+    def _load(self) -> Any:
+        if self._hub is None:
+            from gateway.mcp.hub import GatewayMcpHub
+
+            self._hub = GatewayMcpHub(self.settings)
+        return self._hub
+
+    def bind(self, ctx: ResolvedToolContext, body: Mapping[str, Any]) -> tuple[ResolvedToolContext, McpExecutor]:
+        return self._load().bind(ctx, body)  # type: ignore[no-any-return]
+
+    async def aclose(self) -> None:
+        if self._hub is not None:
+            await self._hub.aclose()
+
+
+def reused_listings(history: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The last successful ``mcp_list_tools`` item per server label already in the conversation."""
+    found: dict[str, dict[str, Any]] = {}
+    for item in history:
+        if isinstance(item, dict) and item.get("type") == "mcp_list_tools" and not item.get("error"):
+            found[str(item.get("server_label"))] = item
+    return found
+
+
+def approvals_in(items: Sequence[Any], history: Sequence[Any]) -> list[tuple[dict[str, Any], dict[str, Any], int]]:
+    """``(approval response, the request it answers, input index)`` for each ``mcp_approval_response`` of the
+    new input; an answer to a request the conversation does not hold is the client's mistake (400)."""
+    requests = {i.get("id"): i for i in [*history, *items]
+                if isinstance(i, dict) and i.get("type") == "mcp_approval_request"}
+    out = []
+    for idx, item in enumerate(items):
+        if not isinstance(item, dict) or item.get("type") != "mcp_approval_response":
+            continue
+        rid = item.get("approval_request_id")
+        if not isinstance(item.get("approve"), bool):
+            raise InvalidRequest("An mcp_approval_response needs a boolean 'approve'.", param=f"input[{idx}].approve",
+                                 code="invalid_value")
+        request = requests.get(rid)
+        if request is None:
+            raise InvalidRequest(f"No mcp_approval_request with id '{rid}' in this conversation.",
+                                 param=f"input[{idx}].approval_request_id", code="invalid_value")
+        out.append((item, request, idx))
+    return out
+
+
+def _parse_args(arguments: str) -> dict[str, Any] | None:
+    """The call's arguments as an object; empty or ``null`` (what small models write for no arguments) is {}."""
+    try:
+        value = orjson.loads(arguments.strip() or "{}")
+    except orjson.JSONDecodeError:
+        return None
+    if value is None:
+        return {}
+    return value if isinstance(value, dict) else None
+
+
+class ToolLoop:
+    """One response's rounds. ``handler`` opens upstream rounds and pumps them (gateway.server.responses)."""
+
+    def __init__(self, handler: Any, body: dict[str, Any], state: RequestState, history: list[dict[str, Any]],
+                 headers: Mapping[str, str], extra: Mapping[str, str], record: RequestRecord,
+                 persist: Any, executor: McpExecutor) -> None:
+        self.handler = handler
+        self.settings = handler.settings
+        self.body = body
+        self.state = state
+        self.history = history
+        self.headers = headers
+        self.extra = extra
+        self.record = record
+        self.persist = persist
+        self.executor = executor
+        raw = body.get("input")
+        self.new_input: list[Any] = ([{"type": "message", "role": "user", "content": raw}] if isinstance(raw, str)
+                                     else list(raw) if isinstance(raw, list) else [])
+        mtc = body.get("max_tool_calls")
+        self.max_calls = mtc if isinstance(mtc, int) and mtc >= 0 else None
+        self.executed = 0
+
+    # ------------------------------------------------------------------ before the first round
+
+    async def prepare(self) -> tuple[RequestState, list[Shown]]:
+        """List (or reuse) every server's tools; the state with them, and the listing items to show.
+
+        Runs before the response starts, so a ``tool_choice`` naming a tool the server does not have is
+        still a clean 400."""
+        ctx = self.state.ctx
+        reused = reused_listings(self.history)
+        listed: dict[str, list[dict[str, Any]]] = {}
+        shown: list[Shown] = []
+        to_list = [str(t["server_label"]) for t in ctx.mcp_tools if str(t["server_label"]) not in reused]
+        results = await asyncio.gather(*(self._list(label) for label in to_list))
+        for label, (tools, error) in zip(to_list, results, strict=True):
+            server = ctx.mcp_server(label) or {}
+            allowed = allowed_names(server)
+            if allowed is not None:
+                tools = [t for t in tools if t.get("name") in allowed]
+            item = list_tools_item(label, tools, error)
+            status = "failed" if error else "completed"
+            shown.append(Shown({**item, "tools": [], "error": None}, [("response.mcp_list_tools.in_progress", {}),
+                                                                      (f"response.mcp_list_tools.{status}", {})],
+                               item))
+            if not error:
+                listed[label] = item["tools"]
+        for label, item in reused.items():
+            if ctx.mcp_server(label) is None:
+                continue
+            allowed = allowed_names(ctx.mcp_server(label) or {})
+            listed[label] = [t for t in item.get("tools") or () if allowed is None or t.get("name") in allowed]
+        new_ctx = with_mcp_tools(ctx, listed)
+        return replace(self.state, ctx=new_ctx), shown
+
+    async def _list(self, label: str) -> tuple[list[dict[str, Any]], str | None]:
+        started = time.perf_counter()
+        try:
+            tools = await self.executor.list_tools(label)
+        except Exception as exc:  # the response goes on without that server's tools
+            log.warning("mcp_list_tools_failed", request_id=self.record.request_id, server_label=label,
+                        error=type(exc).__name__, duration_ms=round((time.perf_counter() - started) * 1000, 1))
+            return [], f"Could not list the tools of MCP server '{label}' ({type(exc).__name__})."
+        log.info("mcp_list_tools", request_id=self.record.request_id, server_label=label, tools=len(tools),
+                 duration_ms=round((time.perf_counter() - started) * 1000, 1))
+        return tools, None
+
+    # ------------------------------------------------------------------ the rounds
+
+    async def frames(self, state: RequestState, shown: list[Shown]) -> AsyncIterator[bytes]:
+        translator = FunctionSseTranslator(state)
+        self.translator = translator
+        out: list[bytes] = []
+        for item in shown:
+            out += translator.owned_item(item.opened, item.events, item.final)
+        round_history: list[dict[str, Any]] = []
+        # Approved calls from the input run first; their results are history for the first round.
+        for response, request, _ in approvals_in(self.new_input, self.history):
+            if response.get("approve") is not True:
+                continue
+            item = await self._run_approved(request, response)
+            out += translator.owned_item(mcp_call_item(item["server_label"], item["name"], "",
+                                                       item_id=item["id"],
+                                                       approval_request_id=item["approval_request_id"]),
+                                         _call_events(item), item)
+            round_history.append(item)
+        if not out:
+            out += translator.start()
+        yield b"".join(out)
+        rounds_run = 0
+        while True:
+            withhold = rounds_run >= self.settings.max_tool_rounds or (
+                self.max_calls is not None and self.executed >= self.max_calls)
+            async for chunk in self.handler._loop_round(self, translator, round_history, withhold):
+                yield chunk
+            if translator.finished or not translator.round_done:
+                return
+            calls = translator.owned_calls()
+            if withhold:  # the tools were withheld and the model called one anyway: shown, not run
+                for call in calls:
+                    self.record.mcp_calls.append((call["server_label"], "not_run", None))
+                    yield b"".join(translator.complete_owned(call["key"], error=WITHHELD))
+            else:
+                async for chunk in self._run_calls(translator, calls):
+                    yield chunk
+                if translator.finished:
+                    return
+            round_history += translator.round_items()
+            rounds_run += 1
+            if withhold or translator.client_calls_in_round or translator.approval_requested:
+                frames = translator.end()
+                await self.handler._loop_finished(translator, self.record, self.persist)
+                yield b"".join(frames)
+                return
+            translator.next_round()
+
+    def round_body(self, round_history: list[dict[str, Any]], withhold: bool) -> tuple[dict[str, Any],
+                                                                                     ResolvedToolContext]:
+        """The upstream request of the next round: the new input plus what earlier rounds did."""
+        ctx = self.translator.state.ctx
+        body = {k: v for k, v in self.body.items() if k != "max_tool_calls"}  # the gateway enforces it
+        body["input"] = [*self.new_input, *round_history]
+        if withhold:
+            ctx = replace(ctx, upstream_tool_choice="none", allowed_upstream_names=None)
+        elif round_history or self.translator.round > 0:
+            # tool_choice pins the first round only; later rounds let the model answer.
+            if ctx.upstream_tool_choice not in ("auto", "none"):
+                ctx = replace(ctx, upstream_tool_choice="auto", allowed_upstream_names=None)
+        return body, ctx
+
+    async def _run_calls(self, translator: FunctionSseTranslator, calls: list[dict[str, Any]]
+                         ) -> AsyncIterator[bytes]:
+        budget = None if self.max_calls is None else max(self.max_calls - self.executed, 0)
+        runnable = calls if budget is None else calls[:budget]
+        for call in calls[len(runnable):]:
+            self.record.mcp_calls.append((call["server_label"], "not_run", None))
+            yield b"".join(translator.complete_owned(call["key"], error=NOT_RUN))
+        self.executed += len(runnable)
+        sem = asyncio.Semaphore(CALL_CONCURRENCY)
+
+        async def one(call: dict[str, Any]) -> tuple[dict[str, Any], McpCallOutcome]:
+            async with sem:
+                return call, await self._call(call["server_label"], call["name"], call["arguments"])
+
+        tasks = [asyncio.ensure_future(one(c)) for c in runnable]
+
+        async def results() -> AsyncIterator[tuple[dict[str, Any], McpCallOutcome]]:
+            for next_done in asyncio.as_completed(tasks):
+                yield await next_done
+
+        drain = getattr(self.handler, "drain", None)
+        source = drain.guard(results()) if drain is not None else results()
+        try:
+            async for call, result in source:
+                yield b"".join(translator.complete_owned(call["key"], output=result.output, error=result.error))
+        except ShuttingDown:
+            # The drain period is over: calls still running are abandoned, and the response ends failed.
+            out: list[bytes] = []
+            for call in runnable:
+                out += translator.complete_owned(call["key"], error=SHUTDOWN)
+            out += translator.fail("gateway_shutting_down", "The gateway is shutting down; the response was ended "
+                                   "after the drain period. Retry the request.")
+            await self.handler._loop_finished(translator, self.record, self.persist)
+            yield b"".join(out)
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def _run_approved(self, request: Mapping[str, Any], response: Mapping[str, Any]) -> dict[str, Any]:
+        label, name, arguments = str(request.get("server_label")), str(request.get("name")), str(
+            request.get("arguments") or "{}")
+        result = await self._call(label, name, arguments)
+        item = mcp_call_item(label, name, arguments, approval_request_id=str(request.get("id")),
+                             status="failed" if result.error else "completed")
+        item.update(output=result.output, error=result.error)
+        self.executed += 1
+        return item
+
+    async def _call(self, label: str, name: str, arguments: str) -> McpCallOutcome:
+        started = time.perf_counter()
+        args = _parse_args(arguments)
+        if args is None:
+            result = McpCallOutcome(error={"type": "mcp_tool_execution_error", "content": [
+                {"type": "text", "text": "The arguments are not a JSON object; the tool was not called."}]})
+        elif self.state.ctx.mcp_server(label) is None:
+            result = McpCallOutcome(error={"type": "mcp_protocol_error", "code": -32602,
+                                           "message": f"No MCP server '{label}' is declared in this request."})
+        else:
+            try:
+                result = await self.executor.call_tool(label, name, args)
+            except Exception as exc:  # the I/O layer maps what it knows; anything else is a failed call
+                result = McpCallOutcome(error={"type": "http_error", "code": 502,
+                                               "message": f"The MCP call failed ({type(exc).__name__})."})
+        seconds = time.perf_counter() - started
+        outcome = "failed" if result.error is not None else "completed"
+        self.record.mcp_calls.append((label, outcome, seconds))
+        log.info("mcp_call", request_id=self.record.request_id, server_label=label, tool=name, outcome=outcome,
+                 error_type=(result.error or {}).get("type"), duration_ms=round(seconds * 1000, 1))
+        return result
+
+
+def _call_events(item: Mapping[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    status = "failed" if item.get("error") else "completed"
+    args = str(item.get("arguments") or "")
+    return [("response.mcp_call_arguments.delta", {"delta": args}),
+            ("response.mcp_call_arguments.done", {"arguments": args}),
+            ("response.mcp_call.in_progress", {}),
+            (f"response.mcp_call.{status}", {})]
+
