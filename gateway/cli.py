@@ -45,8 +45,9 @@ def run(settings: Settings, *, demo: bool = False) -> int:
         return 2
     # log_config=None: uvicorn's loggers go through the JSON handler configure_logging installed; the
     # gateway writes its own access line per request. The drain timeout is set by serve_until_stopped.
+    # ws="websockets-sansio": WebSocket mode on /v1/responses; its frames may be as large as a request body.
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, access_log=False,
-                            lifespan="on")
+                            lifespan="on", ws="websockets-sansio", ws_max_size=settings.max_body_bytes + 65536)
     return serve_until_stopped(config, app.state.drain, settings)
 
 

@@ -84,6 +84,8 @@ OPTIONS: tuple[Option, ...] = (
            "Rounds per response that run gateway-owned tool calls; then one more round without tools."),
     Option("mcp_call_timeout", "--mcp-call-timeout", "GATEWAY_MCP_CALL_TIMEOUT", float,
            "Seconds one MCP tool call may take before it fails."),
+    Option("websocket_idle_timeout", "--websocket-idle-timeout", "GATEWAY_WEBSOCKET_IDLE_TIMEOUT", float,
+           "Seconds a WebSocket connection may sit without a message before it is closed (pinged meanwhile)."),
     Option("reasoning_key", "--reasoning-key", "GATEWAY_REASONING_KEY", str,
            "Base64 AES-256 keys (comma-separated; the first seals) for reasoning encrypted_content; unset: a "
            "random key per process.", secret=True),
@@ -116,6 +118,7 @@ class Settings:
     max_tool_rounds: int = 10
     mcp_call_timeout: float = 60.0
     reasoning_key: str | None = field(default=None, repr=False)
+    websocket_idle_timeout: float = 300.0
 
     def all_api_keys(self) -> tuple[str, ...]:
         keys = list(self.api_keys)

@@ -60,7 +60,7 @@ def serve_in_thread(app: Any, port: int | None = None) -> Iterator[tuple[str, uv
     """Any ASGI app on loopback in a thread; yields its base URL and the uvicorn server."""
     port = port or free_port()
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None, access_log=False, lifespan="on",
-                            timeout_graceful_shutdown=2)
+                            timeout_graceful_shutdown=2, ws="websockets-sansio")
     server = uvicorn.Server(config)
     thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
     thread.start()

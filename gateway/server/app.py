@@ -15,8 +15,9 @@ from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
-from starlette.routing import Route
+from starlette.routing import Route, WebSocketRoute
 from starlette.types import Message, Receive, Scope, Send
+from starlette.websockets import WebSocket
 
 from gateway.config import Settings
 from gateway.errors import (
@@ -39,6 +40,7 @@ from gateway.server.record import RequestRecord
 from gateway.server.responses import ResponsesHandler
 from gateway.server.shutdown import Drain
 from gateway.server.tool_loop import LazyMcpHub, McpHub
+from gateway.server.websocket import ResponsesSocket
 from gateway.store import ResponseStore, open_store, run_sweeper
 from gateway.upstream.client import HOP_BY_HOP, UpstreamClient, map_transport_error
 
@@ -299,12 +301,19 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
         return Response(up.content, status_code=up.status_code, headers=no_store,
                         media_type=up.headers.get("content-type", CONTENT_TYPE_LATEST))
 
+    socket = ResponsesSocket(lambda: services["responses"], settings=settings, observer=observer, metrics=metrics,
+                             drain=drain, auth_enabled=auth.enabled)
+
+    async def websocket_responses(ws: WebSocket) -> None:  # a function: starlette treats objects as ASGI apps
+        await socket(ws)
+
     routes = [
         Route("/healthz", healthz, methods=["GET", "HEAD"]),
         Route("/readyz", readyz, methods=["GET", "HEAD"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
         Route("/upstream/metrics", upstream_metrics, methods=["GET"]),
         Route("/v1/responses", wrap("/v1/responses", create_response), methods=["POST"]),
+        WebSocketRoute("/v1/responses", websocket_responses),
         Route("/v1/responses/{response_id}", wrap("/v1/responses/{id}", get_response), methods=["GET"]),
         Route("/v1/responses/{response_id}", wrap("/v1/responses/{id}", delete_response), methods=["DELETE"]),
         Route("/v1/responses/{response_id}/input_items", wrap("/v1/responses/{id}/input_items", list_input_items),

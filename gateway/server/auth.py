@@ -92,7 +92,7 @@ class GatewayAuthMiddleware:
         self.strip = strip
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not self.auth.enabled:
+        if scope["type"] not in ("http", "websocket") or not self.auth.enabled:  # a WebSocket: its handshake
             await self.app(scope, receive, send)
             return
         headers: list[tuple[bytes, bytes]] = list(scope.get("headers") or ())

@@ -64,6 +64,8 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(PREFIX + "upstream_ready", "gauge", (), "1 when the last readiness probe of the upstream passed."),
     MetricSpec(PREFIX + "streams_aborted_on_shutdown", "counter", (),
                "Streams ended with response.failed (gateway_shutting_down) after the drain period."),
+    MetricSpec(PREFIX + "websocket_connections", "gauge", (), "Open WebSocket connections on /v1/responses."),
+    MetricSpec(PREFIX + "websocket_messages", "counter", ("type",), "WebSocket messages received, by type."),
     MetricSpec(PREFIX + "reasoning_blobs_rejected", "counter", (),
                "Reasoning encrypted_content blobs that did not open (another key, tampered); dropped."),
     MetricSpec(PREFIX + "mcp_calls", "counter", ("server_label", "outcome"),
@@ -123,6 +125,8 @@ class GatewayMetrics:
         self.aborted_on_shutdown: Counter = built["streams_aborted_on_shutdown"]  # type: ignore[assignment]
         self.mcp_calls: Counter = built["mcp_calls"]  # type: ignore[assignment]
         self.reasoning_rejected: Counter = built["reasoning_blobs_rejected"]  # type: ignore[assignment]
+        self.websocket_connections: Gauge = built["websocket_connections"]  # type: ignore[assignment]
+        self.websocket_messages: Counter = built["websocket_messages"]  # type: ignore[assignment]
         self.mcp_duration: Histogram = built["mcp_call_duration_seconds"]  # type: ignore[assignment]
 
     def render(self) -> bytes:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import httpx
@@ -39,8 +39,10 @@ from gateway.upstream.client import UpstreamClient, UpstreamResponse
 log = structlog.get_logger("gateway.responses")
 
 Persist = Callable[[dict[str, Any]], Awaitable[None]]
+ZERO_USAGE = {"input_tokens": 0, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 0,
+              "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 0}
 
-__all__ = ["Answered", "Outcome", "ResponsesHandler", "Streamed", "http_response", "public_input_items"]
+__all__ = ["Answered", "Outcome", "ResponsesHandler", "Streamed", "Turn", "http_response", "public_input_items"]
 
 
 def public_input_items(body: dict[str, Any]) -> list[dict[str, Any]]:
@@ -97,21 +99,26 @@ class ResponsesHandler:
         return http_response(outcome, record)
 
     async def respond(self, body: dict[str, Any], headers: Mapping[str, str], owner: str | None,
-                      record: RequestRecord) -> Outcome:
+                      record: RequestRecord, turn: Turn | None = None) -> Outcome:
         """The transport-independent producer of a response: a parsed request body in; a JSON answer (an error,
         or a non-streamed Response) or the client's SSE frames out. The SSE handler, the WebSocket transport and
-        background runs all consume it. ``owner``: the caller's keyed key hash (None without gateway keys)."""
+        background runs all consume it. ``owner``: the caller's keyed key hash (None without gateway keys).
+        ``turn``: a WebSocket connection's own recent responses (``previous_response_id`` with ``store: false``)."""
         record.model = body.get("model") if isinstance(body.get("model"), str) else None
         record.stream = bool(body.get("stream"))
         body = await self._resolve_references(body, owner)
         ctx = resolve_tool_context(body)
-        history = await self._history(body, owner)
+        history = await self._history(body, owner, turn)
+        if turn is not None:
+            turn.history, turn.input_items = history, public_input_items(body)
         state = build_request_state(body, ctx, response_id=new_id("resp"), created_at=int(time.time()),
                                     max_unnamed_call_bytes=self.settings.max_unnamed_call_bytes)
         persist = self._persister(body, state, owner) if self._should_store(body) or conversation_ref(body) \
             else None
         body, history, state = self._reasoning(body, history, state, record)
         extra = {"x-request-id": record.request_id}
+        if body.get("generate") is False:
+            return await self._no_generation(state, record, persist)
         if ctx.mcp_tools:
             return await self._mcp(body, state, record, persist, history, headers, extra)
         plan = plan_for(ctx, self.settings.tool_choice_enforcement)
@@ -317,6 +324,24 @@ class ResponsesHandler:
                 self.sealer = ReasoningSealer.random()
         return self.sealer
 
+    async def _no_generation(self, state: RequestState, record: RequestRecord, persist: Persist | None) -> Outcome:
+        """``generate: false`` (Codex's warm-up): a completed, empty response whose id later turns chain from; its
+        input is kept as history. Nothing is sent upstream."""
+        translator = FunctionSseTranslator(state)
+        frames = translator.start() + translator.end(usage=ZERO_USAGE)
+        final = translator.final_response
+        assert final is not None
+        record.response_status = "completed"
+        if persist is not None:
+            await persist(final)
+        if not record.stream:
+            return Answered(final)
+
+        async def once() -> AsyncIterator[bytes]:
+            yield b"".join(frames)
+
+        return Streamed(once())
+
     def _converter(self, model: str | None) -> ChatToResponsesEvents:
         return ChatToResponsesEvents(model=model, max_unnamed_bytes=self.settings.max_unnamed_call_bytes)
 
@@ -467,13 +492,19 @@ class ResponsesHandler:
                                      code="item_not_found")
         return {**body, "input": [found[item["id"]] if i in refs else item for i, item in enumerate(raw)]}
 
-    async def _history(self, body: dict[str, Any], owner: str | None = None) -> list[dict[str, Any]]:
+    async def _history(self, body: dict[str, Any], owner: str | None = None,
+                       turn: Turn | None = None) -> list[dict[str, Any]]:
         conversation = await conversation_history(self.store, body, owner)  # the `conversation` field's items
         if conversation is not None:
             return conversation
         prev = body.get("previous_response_id")
         if not prev:
             return []
+        local = turn.local_history(prev) if turn is not None else None
+        if local is not None:
+            return local
+        if turn is not None and self.store is None:  # found nowhere: not on this connection, and no store
+            raise NotFound(f"Response with id '{prev}' not found.", param="previous_response_id")
         if self.store is None:
             raise InvalidRequest("previous_response_id needs a response store, and this gateway runs with "
                                  "--store none.", param="previous_response_id", code="store_disabled")
@@ -534,6 +565,16 @@ class Streamed:
 
 
 Outcome = Answered | Streamed
+
+
+@dataclass
+class Turn:
+    """One response on a WebSocket connection: the connection's cache of recent responses, and what the
+    response used (its history and input items, which the connection caches for the next turn)."""
+
+    local_history: Callable[[str], list[dict[str, Any]] | None]
+    history: list[dict[str, Any]] = field(default_factory=list)
+    input_items: list[dict[str, Any]] = field(default_factory=list)
 
 
 def http_response(outcome: Outcome, record: RequestRecord) -> Response:

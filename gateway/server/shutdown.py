@@ -136,6 +136,11 @@ class DrainingServer(uvicorn.Server):
         self.drain.begin()
         log.info("draining", drain_timeout_s=self.drain_timeout, streams=self.drain.active_reads)
         timer = asyncio.create_task(self._abort_after(self.drain_timeout))
+        # uvicorn would fail open WebSockets at once (1012); instead their response in flight gets the drain
+        # period and they close themselves with 1001 (gateway.server.websocket). Their tasks are still awaited.
+        for connection in list(self.server_state.connections):
+            if getattr(connection, "handshake_complete", False) is True:  # uvicorn's websockets-sansio protocol
+                self.server_state.connections.discard(connection)
         try:
             await super().shutdown(sockets)
         finally:

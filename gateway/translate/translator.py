@@ -459,10 +459,12 @@ class FunctionSseTranslator:
         self._items = {}
         self._call_shown = False  # parallel_tool_calls: false allows one call per round
 
-    def end(self) -> list[bytes]:
-        """End the client response after a round whose calls ran (no further round)."""
+    def end(self, usage: dict[str, Any] | None = None) -> list[bytes]:
+        """End the client response after a round whose calls ran (no further round); ``usage`` is added."""
         if self.finished:
             return []
+        if usage is not None:
+            self._usage = add_usage(self._usage, usage)
         resp = self._round_terminal or self.acc.snapshot or {}
         self._round_terminal = None
         self.round_done = False

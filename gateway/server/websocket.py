@@ -1,0 +1,301 @@
+"""WebSocket mode on ``/v1/responses`` (OpenAI's Responses WebSocket, Codex's ``supports_websockets``).
+
+One connection per session. Each ``{"type": "response.create", …request body…}`` message is one response; its
+streaming events go back as text frames holding each event's JSON (what SSE carries in ``data:``), in order,
+ending with the terminal event. Messages run one at a time, in order (later ones wait in a bounded queue).
+Everything the HTTP path does applies — the frames come from the same producer (``ResponsesHandler.respond``).
+
+Connection state: recent responses, so ``previous_response_id`` works with ``store: false`` (bounded in
+responses and bytes, gone with the connection). Errors are ``{"type": "error", "status", "error": {…}}`` frames
+and the connection stays open; a message over ``--max-body-bytes`` closes it with 1009. The client closing
+mid-response closes the upstream request at once (the response task is cancelled). Idle connections are closed
+after ``--websocket-idle-timeout`` (uvicorn pings them meanwhile). On SIGTERM the response in flight gets the
+drain period (the producer ends it with ``response.failed`` after it), then the socket closes with 1001.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+import structlog
+from starlette.websockets import WebSocket
+
+from gateway.errors import GatewayError, InvalidRequest
+from gateway.protocol.request import parse_request_body
+from gateway.server.auth import request_owner, unauthorized, verdict
+from gateway.server.http import OrjsonResponse
+from gateway.server.record import RequestRecord
+from gateway.server.responses import Answered, ResponsesHandler, Turn
+
+log = structlog.get_logger("gateway.websocket")
+
+__all__ = ["ConnectionCache", "ResponsesSocket"]
+
+MAX_QUEUED = 8  # response.create messages waiting behind the running one
+CACHE_RESPONSES = 32
+CACHE_BYTES = 32 * 1024 * 1024
+CLOSE_TOO_BIG = 1009
+CLOSE_GOING_AWAY = 1001
+_DATA = b"\ndata: "
+
+
+class ConnectionCache:
+    """A connection's recent responses: id -> the full conversation up to and including that response (history,
+    input, output), oldest evicted first past ``max_responses`` or ``max_bytes``."""
+
+    def __init__(self, max_responses: int = CACHE_RESPONSES, max_bytes: int = CACHE_BYTES) -> None:
+        self.max_responses = max_responses
+        self.max_bytes = max_bytes
+        self._items: OrderedDict[str, tuple[list[dict[str, Any]], int]] = OrderedDict()
+        self._bytes = 0
+
+    def get(self, response_id: str) -> list[dict[str, Any]] | None:
+        found = self._items.get(response_id)
+        return list(found[0]) if found is not None else None
+
+    def put(self, response_id: str, conversation: list[dict[str, Any]]) -> None:
+        size = len(orjson.dumps(conversation))
+        if size > self.max_bytes:
+            return  # too big to keep: a later turn needs the store (or the full history) for it
+        old = self._items.pop(response_id, None)
+        if old is not None:
+            self._bytes -= old[1]
+        self._items[response_id] = (conversation, size)
+        self._bytes += size
+        while self._items and (len(self._items) > self.max_responses or self._bytes > self.max_bytes):
+            _, (_, dropped) = self._items.popitem(last=False)
+            self._bytes -= dropped
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+def _error_frame(status: int, error: dict[str, Any]) -> str:
+    err = {"type": error.get("type") or ("server_error" if status >= 500 else "invalid_request_error"),
+           "code": error.get("code"), "message": error.get("message") or "", "param": error.get("param")}
+    return orjson.dumps({"type": "error", "status": status, "error": err}).decode()
+
+
+def _ws_error(exc: GatewayError) -> tuple[int, dict[str, Any]]:
+    body = exc.body()["error"]
+    if exc.status == 404 and exc.param == "previous_response_id":
+        # OpenAI's WebSocket answer for an id it holds nowhere (store, nor this connection).
+        return 400, {**body, "code": "previous_response_not_found", "type": "invalid_request_error"}
+    return exc.status, body
+
+
+class ResponsesSocket:
+    """The ``/v1/responses`` WebSocket endpoint (one instance per app)."""
+
+    def __init__(self, handler: Callable[[], ResponsesHandler], *, settings: Any, observer: Any, metrics: Any,
+                 drain: Any, auth_enabled: bool) -> None:
+        self.handler = handler
+        self.settings = settings
+        self.observer = observer
+        self.metrics = metrics
+        self.drain = drain
+        self.auth_enabled = auth_enabled
+
+    async def __call__(self, ws: WebSocket) -> None:
+        if self.auth_enabled:
+            authorized, presented = verdict(ws.scope)
+            if not authorized:  # 401 before upgrading, in OpenAI's shape
+                self.metrics.rejected.labels("unauthorized").inc()
+                exc = unauthorized(presented)
+                with contextlib.suppress(RuntimeError):
+                    await ws.send_denial_response(OrjsonResponse(exc.body(), status_code=401, headers=exc.headers))
+                    return
+                await ws.close(code=1008)
+                return
+        if self.drain.draining:
+            await ws.close(code=CLOSE_GOING_AWAY)
+            return
+        await ws.accept()
+        self.metrics.websocket_connections.inc()
+        try:
+            await _Connection(self, ws).run()
+        finally:
+            self.metrics.websocket_connections.dec()
+
+
+class _Connection:
+    def __init__(self, endpoint: ResponsesSocket, ws: WebSocket) -> None:
+        self.endpoint = endpoint
+        self.ws = ws
+        self.settings = endpoint.settings
+        self.cache = ConnectionCache()
+        self.queue: asyncio.Queue[str | None] = asyncio.Queue(MAX_QUEUED)
+        self.owner = request_owner(ws.scope)
+        self.headers = {k: v for k, v in ws.headers.items() if k.lower() not in ("sec-websocket-key",)}
+        self.closed = False
+        self.current: asyncio.Task[None] | None = None
+        self.close_code: int | None = None
+
+    async def run(self) -> None:
+        worker = asyncio.create_task(self._work())
+        reader = asyncio.create_task(self._read())
+        watcher = asyncio.create_task(self._watch())
+        try:
+            await asyncio.wait({worker, reader}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self.closed = True
+            for task in (reader, watcher):
+                task.cancel()
+            if self.current is not None and not self.current.done():
+                self.current.cancel()  # the client left mid-response: its upstream request is closed now
+            worker.cancel()
+            for task in (worker, reader, watcher):
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+            if self.close_code is not None:
+                with contextlib.suppress(Exception):
+                    await self.ws.close(code=self.close_code)
+
+    async def _read(self) -> None:
+        limit = self.settings.max_body_bytes
+        idle = self.settings.websocket_idle_timeout
+        while True:
+            try:
+                async with asyncio.timeout(idle if idle > 0 and self.current is None and self.queue.empty()
+                                           else None):
+                    message = await self.ws.receive()
+            except TimeoutError:
+                self.close_code = 1000  # idle: nothing asked for that long
+                return
+            if message["type"] == "websocket.disconnect":
+                return
+            text = message.get("text")
+            if text is None and message.get("bytes") is not None:
+                text = message["bytes"].decode("utf-8", "replace")
+            if text is None:
+                continue
+            if len(text) > limit:
+                self.close_code = CLOSE_TOO_BIG
+                return
+            try:
+                self.queue.put_nowait(text)
+            except asyncio.QueueFull:
+                await self._send(_error_frame(429, {"code": "too_many_queued_requests", "type": "rate_limit_error",
+                                                    "message": f"At most {MAX_QUEUED} response.create messages may "
+                                                               "wait on one connection."}))
+
+    async def _watch(self) -> None:
+        """SIGTERM: once the running response (if any) is over, close with 1001."""
+        while not self.endpoint.drain.draining:
+            await asyncio.sleep(0.2)
+        while self.current is not None and not self.current.done():
+            await asyncio.sleep(0.05)
+        self.close_code = CLOSE_GOING_AWAY
+        self.closed = True
+        with contextlib.suppress(Exception):
+            await self.ws.close(code=CLOSE_GOING_AWAY)
+
+    async def _work(self) -> None:
+        while True:
+            text = await self.queue.get()
+            if text is None or self.closed:
+                return
+            self.current = asyncio.create_task(self._message(text))
+            try:
+                await asyncio.shield(self.current)
+            except asyncio.CancelledError:
+                self.current.cancel()
+                raise
+
+    async def _send(self, text: str) -> None:
+        if not self.closed:
+            await self.ws.send_text(text)
+
+    async def _message(self, text: str) -> None:
+        try:
+            message = orjson.loads(text)
+        except orjson.JSONDecodeError:
+            await self._send(_error_frame(400, {"code": "invalid_json", "message": "The message is not valid JSON."}))
+            return
+        mtype = message.get("type") if isinstance(message, dict) else None
+        self.endpoint.metrics.websocket_messages.labels(str(mtype)[:40] if isinstance(mtype, str) else "invalid").inc()
+        if mtype != "response.create":
+            await self._send(_error_frame(400, {"code": "unknown_message_type", "param": "type",
+                                                "message": f"Unsupported message type {mtype!r}: this endpoint "
+                                                           "accepts 'response.create'."}))
+            return
+        await self._create(message, len(text))
+
+    async def _create(self, message: dict[str, Any], size: int) -> None:
+        record = RequestRecord(request_id="req_" + uuid.uuid4().hex, route="/v1/responses", method="WEBSOCKET",
+                               started=time.perf_counter())
+        record.request_bytes = size
+        self.endpoint.observer.begin(record)
+        try:
+            await self._respond(message, record)
+        finally:
+            record.duration = time.perf_counter() - record.started
+            self.endpoint.observer.end(record)
+
+    async def _respond(self, message: dict[str, Any], record: RequestRecord) -> None:
+        body = {k: v for k, v in message.items() if k not in ("type", "stream_id")}
+        body["stream"] = True  # every response streams here (Codex sends stream: true anyway)
+        try:
+            # The same envelope checks (types, nesting) as an HTTP body.
+            body = parse_request_body(orjson.dumps(body))
+            if body.get("background"):
+                raise InvalidRequest("background is not supported over the WebSocket; use POST /v1/responses.",
+                                     param="background", code="unsupported_parameter")
+            turn = Turn(local_history=self.cache.get)
+            outcome = await self.endpoint.handler().respond(body, self.headers, self.owner, record, turn)
+        except GatewayError as exc:
+            record.status, error = _ws_error(exc)
+            record.error_code = error.get("code")
+            await self._send(_error_frame(record.status, error))
+            return
+        if isinstance(outcome, Answered):
+            payload = outcome.payload if isinstance(outcome.payload, dict) else {}
+            record.status = outcome.status
+            await self._send(_error_frame(outcome.status, payload.get("error") or {}))
+            return
+        record.status = 200
+        final: dict[str, Any] | None = None
+        frames = outcome.frames
+        try:
+            async for chunk in frames:
+                if record.ttfb is None:
+                    record.ttfb = time.perf_counter() - record.started
+                for etype, data in _events(chunk):
+                    await self._send(data.decode())
+                    record.response_bytes += len(data)
+                    if etype in _TERMINALS:
+                        final = _terminal(data) or final
+        except asyncio.CancelledError:
+            record.disconnected = True
+            raise
+        finally:
+            await frames.aclose()  # type: ignore[attr-defined]
+        if final is not None:
+            self.cache.put(final["id"], [*turn.history, *turn.input_items,
+                                         *(i for i in final.get("output") or () if isinstance(i, dict))])
+
+
+def _events(chunk: bytes) -> list[tuple[bytes, bytes]]:
+    """``(event type, JSON)`` of each SSE frame in ``chunk`` (the gateway's own: ``event: X\\ndata: {json}\\n\\n``)."""
+    out = []
+    for frame in chunk.split(b"\n\n"):
+        at = frame.find(_DATA)
+        if at >= 0:
+            out.append((frame[len(b"event: "):at] if frame.startswith(b"event: ") else b"", frame[at + len(_DATA):]))
+    return out
+
+
+_TERMINALS = frozenset({b"response.completed", b"response.incomplete", b"response.failed"})
+
+
+def _terminal(data: bytes) -> dict[str, Any] | None:
+    event = orjson.loads(data)
+    response = event.get("response")
+    return response if isinstance(response, dict) and isinstance(response.get("id"), str) else None
