@@ -251,3 +251,14 @@ def test_terminal_is_unique_and_indexes_contiguous_across_rounds() -> None:
     assert [e["type"] for e in events if e["type"] in TERMINALS] == ["response.completed"]
     added = [e["output_index"] for e in events if e["type"] == "response.output_item.added"]
     assert added == list(range(len(added)))
+
+
+def test_parallel_tool_calls_false_runs_one_call_per_round() -> None:
+    hub = FakeHub()
+    up = Upstream([call_round(("add", {"a": 1, "b": 2}), ("add", {"a": 3, "b": 4})),
+                   call_round(("add", {"a": 3, "b": 4})), text_round("done")])
+    with running_gateway(transport=httpx.MockTransport(up), mcp=hub) as url:
+        body = post(url, {"model": "tiny", "input": "x", "tools": [CALC], "parallel_tool_calls": False}).json()
+    assert hub.calls == [("calc", "add", {"a": 1, "b": 2}), ("calc", "add", {"a": 3, "b": 4})]
+    assert [i["type"] for i in body["output"]] == ["mcp_list_tools", "mcp_call", "mcp_call", "message"]
+    assert [i["output"] for i in body["output"][1:3]] == ["3", "7"]
