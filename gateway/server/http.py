@@ -1,5 +1,6 @@
-"""Small ASGI pieces: bounded body reading, OpenAI-shaped errors, and an SSE response that notices a
-client leaving while the upstream is silent (so the upstream request is closed at once)."""
+"""Small ASGI pieces: bounded body reading, OpenAI-shaped errors, an SSE response that notices a client
+leaving while the upstream is silent, and ``cancel_on_disconnect`` for handlers that answer in one piece —
+either way a client that leaves closes its upstream request at once."""
 
 from __future__ import annotations
 
@@ -11,11 +12,16 @@ import anyio
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from gateway.errors import GatewayError, PayloadTooLarge
+from gateway.server.decompress import body_decoder
 
-__all__ = ["OrjsonResponse", "SseResponse", "error_response", "read_body"]
+__all__ = ["CLIENT_CLOSED_REQUEST", "OrjsonResponse", "SseResponse", "cancel_on_disconnect", "error_response",
+           "read_body"]
+
+# nginx's status for "the client closed the connection before the answer": logged and counted, never sent.
+CLIENT_CLOSED_REQUEST = 499
 
 
 class OrjsonResponse(Response):
@@ -30,20 +36,83 @@ def error_response(exc: GatewayError, headers: Mapping[str, str] | None = None) 
 
 
 async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refusing (413) as soon as it is known to exceed ``limit`` bytes."""
+    """The request body, decoded per its ``Content-Encoding`` (gateway.server.decompress), refusing (413) as
+    soon as either the bytes received or the decoded body are known to exceed ``limit`` bytes."""
+    decoder = body_decoder(request.headers.getlist("content-encoding"), limit)  # 415 before reading
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"The request body is {declared} bytes; the limit is {limit} bytes.",
                               param=None)
     buf = bytearray()
+    received = 0
     async for chunk in request.stream():
-        buf += chunk
-        if len(buf) > limit:
+        received += len(chunk)
+        if received > limit:
             raise PayloadTooLarge(f"The request body exceeds the limit of {limit} bytes.")
-    return bytes(buf)
+        if decoder is None:
+            buf += chunk
+        else:
+            await decoder.feed(chunk)
+    return bytes(buf) if decoder is None else await decoder.finish()
 
 
-_WRITE_BUFFER_LIMIT = 256 * 1024
+async def cancel_on_disconnect(request: Request, handler: Callable[[Request], Awaitable[Response]], *,
+                               when: Callable[[], bool] = lambda: True,
+                               on_disconnect: Callable[[], None] | None = None) -> Response:
+    """``handler(request)``, cancelled if the client disconnects before it returns.
+
+    A non-streamed answer may wait minutes on the upstream; nothing reads the connection meanwhile, so a
+    client that gives up would leave that upstream request (and vLLM's generation) running. Here, once the
+    handler has read the whole request body (through a wrapped ``receive``), a watcher waits on the ASGI
+    ``receive`` for ``http.disconnect`` and cancels the handler's task, whose cancellation closes the
+    upstream request it is awaiting. ``when`` is asked as the body ends (after the handler parsed it):
+    False skips the watcher — a streamed answer watches the connection itself from its first byte, so it
+    costs nothing there. On a disconnect ``on_disconnect`` runs and the answer is a bodiless 499 (which no
+    one receives; it is what the logs and metrics show).
+    """
+    task = asyncio.current_task()
+    assert task is not None
+    receive = request.receive
+    loop = asyncio.get_running_loop()
+    watcher: asyncio.Task[None] | None = None
+    running = True
+    left = False
+
+    async def watch() -> None:
+        nonlocal left
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        if running:
+            left = True
+            task.cancel()
+
+    def start() -> None:  # runs once the handler is past the body (call_soon), so it has parsed it
+        nonlocal watcher
+        if running and watcher is None and when():
+            watcher = loop.create_task(watch())
+
+    async def receive_body() -> Message:
+        message = await receive()
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            loop.call_soon(start)
+        return message
+
+    try:
+        response = await handler(Request(request.scope, receive_body))
+    except asyncio.CancelledError:
+        if left and task.uncancel() == 0:  # ours alone (a shutdown's cancellation is passed on)
+            if on_disconnect is not None:
+                on_disconnect()
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        raise
+    else:
+        if left:  # the handler swallowed our cancellation: leave none pending on the task
+            task.uncancel()
+        return response
+    finally:
+        running = False
+        if watcher is not None and not watcher.done():
+            watcher.cancel()
 
 
 class SseResponse(Response):
@@ -78,46 +147,14 @@ class SseResponse(Response):
                     scope_.cancel()
                     return
 
-        # The body is produced in its own task and written by this one: whatever frames arrive while a write is
-        # in flight go out together in the next write, so a burst of upstream frames costs one send, while a
-        # lone frame is written as soon as the producer waits on the upstream again (nothing is held back).
-        pending: list[bytes] = []
-        buffered = 0
-        produced_all = False
-        ready = asyncio.Event()
-        room = asyncio.Event()
-        room.set()
-
-        async def produce() -> None:
-            nonlocal buffered, produced_all
-            try:
-                async for chunk in self.body_iterator:
-                    pending.append(chunk)
-                    buffered += len(chunk)
-                    ready.set()
-                    if buffered > _WRITE_BUFFER_LIMIT:  # a slow client: stop reading the upstream for now
-                        room.clear()
-                        await room.wait()
-            finally:
-                produced_all = True
-                ready.set()
-
+        # One task reads the body and writes it: a send returns at once unless the client is slow (uvicorn's
+        # flow control), and then not reading the upstream meanwhile is the backpressure wanted. Frames that
+        # arrived together are already one chunk (the pump joins what one upstream read carried).
         async def stream(scope_: anyio.CancelScope) -> None:
-            nonlocal body_done, buffered
+            nonlocal body_done
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            while True:
-                if not pending and not produced_all:
-                    await ready.wait()
-                ready.clear()
-                if pending:
-                    data = b"".join(pending) if len(pending) > 1 else pending[0]
-                    pending.clear()
-                    buffered = 0
-                    room.set()
-                    await send({"type": "http.response.body", "body": data, "more_body": True})
-                    continue
-                if produced_all:
-                    break
+            async for chunk in self.body_iterator:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
             body_done = True
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             scope_.cancel()
@@ -125,7 +162,6 @@ class SseResponse(Response):
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(watch, tg.cancel_scope)
-                tg.start_soon(produce)
                 await stream(tg.cancel_scope)
         except OSError:
             disconnected = not body_done

@@ -23,7 +23,7 @@ ChunkRewrite = Callable[[Mapping[str, Any]], Mapping[str, Any]]
 
 async def responses_event_batches(up: UpstreamResponse) -> AsyncIterator[list[Event]]:
     parser = SseParser()
-    async for chunk in up.response.aiter_bytes():
+    async for chunk in up.aiter_bytes():
         events = parser.feed(chunk)
         if events:
             yield events
@@ -50,7 +50,7 @@ async def chat_event_batches(up: UpstreamResponse, conv: ChatToResponsesEvents,
                              rewrite: ChunkRewrite | None = None) -> AsyncIterator[list[Event]]:
     """Chat SSE (``data:`` lines only, ``[DONE]`` at the end) -> Responses event batches."""
     parser = SseParser()
-    async for raw in up.response.aiter_bytes():
+    async for raw in up.aiter_bytes():
         out: list[Event] = []
         for _event, data in parser.feed(raw):
             out += _chunk_events(data, conv, rewrite)
