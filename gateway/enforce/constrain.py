@@ -191,22 +191,23 @@ class InputContinuation:
     def text(self) -> str:
         return "".join(self.content)
 
-    def _ev(self, etype: str, payload: dict[str, Any]) -> tuple[str, str]:
+    def _ev(self, etype: str, payload: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        """An event as the translator takes it, already parsed (never serialized only to be parsed again)."""
         payload["type"] = etype
         payload["sequence_number"] = -1  # the translator numbers what it emits
-        return etype, orjson.dumps(payload).decode()
+        return etype, payload
 
-    def _delta(self, piece: str) -> tuple[str, str]:
+    def _delta(self, piece: str) -> tuple[str, dict[str, Any]]:
         self._args.append(piece)
         return self._ev("response.function_call_arguments.delta", {
             "delta": piece, "item_id": self.item.get("id"), "output_index": self.output_index})
 
-    def start(self) -> list[tuple[str, str]]:
+    def start(self) -> list[tuple[str, dict[str, Any]]]:
         """The argument prefix: no input yet, so the client sees nothing from it."""
         return [self._ev("response.function_call_arguments.delta", {
             "delta": self._args[0], "item_id": self.item.get("id"), "output_index": self.output_index})]
 
-    def feed(self, chunk: Mapping[str, Any]) -> list[tuple[str, str]]:
+    def feed(self, chunk: Mapping[str, Any]) -> list[tuple[str, dict[str, Any]]]:
         if self.finished:
             return []
         err = chunk.get("error")
@@ -218,7 +219,7 @@ class InputContinuation:
         usage = chat_usage(chunk.get("usage"))
         if usage is not None:
             self.usage = usage
-        out: list[tuple[str, str]] = []
+        out: list[tuple[str, dict[str, Any]]] = []
         for choice in chunk.get("choices") or ():
             if not isinstance(choice, dict) or choice.get("index", 0) != 0:
                 continue
@@ -232,7 +233,7 @@ class InputContinuation:
                 out += self._close()
         return out
 
-    def _close(self) -> list[tuple[str, str]]:
+    def _close(self) -> list[tuple[str, dict[str, Any]]]:
         self._closed = True
         out = [self._delta('"}')]
         args = "".join(self._args)
@@ -243,7 +244,7 @@ class InputContinuation:
         out.append(self._ev("response.output_item.done", {"item": dict(self.item), "output_index": self.output_index}))
         return out
 
-    def done(self) -> list[tuple[str, str]]:
+    def done(self) -> list[tuple[str, dict[str, Any]]]:
         """The step's stream ended: the response's terminal event (nothing if it never finished the call:
         the translator then fails the response rather than leave the client hanging)."""
         if self.finished or not self._closed:

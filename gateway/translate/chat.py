@@ -40,7 +40,8 @@ __all__ = [
     "completion_to_chunks",
 ]
 
-Event = tuple[str, str]  # (event type, JSON data), what FunctionSseTranslator.feed takes
+# (event type, JSON data — or an event the gateway built, already parsed), what FunctionSseTranslator.feed takes
+Event = tuple[str, str | dict[str, Any]]
 
 # Responses sampling fields that chat accepts under the same name (vLLM extras included).
 _SAME_NAME = ("temperature", "top_p", "seed", "top_k", "min_p", "repetition_penalty", "presence_penalty",
@@ -302,7 +303,7 @@ class ChatToResponsesEvents:
         payload["type"] = etype
         payload["sequence_number"] = self._seq
         self._seq += 1
-        return etype, orjson.dumps(payload).decode()
+        return etype, payload  # parsed: the translator takes it as it is
 
     def _start(self, chunk: Mapping[str, Any]) -> list[Event]:
         if self._started:

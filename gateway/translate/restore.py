@@ -63,7 +63,8 @@ def build_request_state(body: Mapping[str, Any], ctx: ResolvedToolContext, *, re
     conversation = conversation.get("id") if isinstance(conversation, dict) else conversation
     if isinstance(conversation, str) and conversation:
         echo["conversation"] = {"id": conversation}
-    for key in ("user", "safety_identifier", "prompt_cache_key", "service_tier", "max_tool_calls", "reasoning"):
+    for key in ("user", "safety_identifier", "prompt_cache_key", "service_tier", "max_tool_calls", "reasoning",
+                "background"):
         if key in body:
             echo[key] = body[key]
     return RequestState(ctx=ctx, echo=echo, response_id=response_id, created_at=created_at,

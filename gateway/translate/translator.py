@@ -124,16 +124,23 @@ class FunctionSseTranslator:
 
     # ------------------------------------------------------------------ entry points
 
-    def feed(self, event: str, data: str) -> list[bytes]:
-        """One upstream SSE frame (its ``event:`` name and ``data:`` text) -> client frames."""
+    def feed(self, event: str, data: str | dict[str, Any]) -> list[bytes]:
+        """One upstream SSE frame (its ``event:`` name and ``data:`` text) -> client frames.
+
+        ``data`` may also be an event the gateway built itself, already parsed (a takeover step's events):
+        it is never passed on as text, so nothing is serialized only to be parsed again."""
         if self.finished:
             return []
-        if data == "[DONE]":
+        if isinstance(data, dict):
+            d: Any = data
+            data = ""
+        elif data == "[DONE]":
             return []
-        try:
-            d = orjson.loads(data)
-        except orjson.JSONDecodeError:
-            return self.fail("upstream_malformed_event", "The upstream sent an event that is not valid JSON.")
+        else:
+            try:
+                d = orjson.loads(data)
+            except orjson.JSONDecodeError:
+                return self.fail("upstream_malformed_event", "The upstream sent an event that is not valid JSON.")
         if not isinstance(d, dict):
             return self.fail("upstream_malformed_event", "The upstream sent an event that is not a JSON object.")
         etype = d.get("type") or event
@@ -183,7 +190,8 @@ class FunctionSseTranslator:
 
     def _forward(self, etype: str, d: dict[str, Any], data: str, client_index: int | None = None) -> list[bytes]:
         """Pass a frame on; re-serialize only when its numbers must change."""
-        if d.get("sequence_number") == self._seq and (client_index is None or d.get("output_index") == client_index):
+        if data and d.get("sequence_number") == self._seq and (
+                client_index is None or d.get("output_index") == client_index):
             self._seq += 1
             return [_frame(etype, data.encode())]
         if client_index is not None:
@@ -471,7 +479,7 @@ class FunctionSseTranslator:
         return self._terminal(dict(resp), "completed")
 
     def _hold(self, st: _Item, etype: str, d: dict[str, Any], data: str) -> list[bytes]:
-        size = len(data)
+        size = len(data) if data else len(orjson.dumps(d))
         self._held_bytes += size
         self.stats.held_bytes_peak = max(self.stats.held_bytes_peak, self._held_bytes)
         if self._held_bytes > self.state.max_unnamed_call_bytes:
