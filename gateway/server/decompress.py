@@ -24,9 +24,6 @@ import asyncio
 import zlib
 from collections.abc import Iterable, Iterator
 
-import brotli
-import zstandard
-
 from gateway.errors import InvalidBodyEncoding, PayloadTooLarge, UnsupportedContentEncoding
 
 __all__ = ["SUPPORTED_CODINGS", "BodyDecoder", "body_decoder", "content_codings"]
@@ -158,6 +155,9 @@ class _BrotliStage(_Stage):
 
     def __init__(self, limit: int) -> None:
         super().__init__(limit)
+        import brotli  # here: most gateways never see a br body, and the module costs RSS in every process
+
+        self._error = brotli.error
         self._d = brotli.Decompressor()
 
     def feed(self, data: bytes) -> Iterator[bytes]:
@@ -171,7 +171,7 @@ class _BrotliStage(_Stage):
                 if not out:
                     break
                 yield self._count(out)
-        except brotli.error as exc:
+        except self._error as exc:
             raise _corrupt(self.coding, exc) from None
 
     def finish(self) -> Iterator[bytes]:
@@ -185,6 +185,9 @@ class _ZstdStage(_Stage):
 
     def __init__(self, limit: int) -> None:
         super().__init__(limit)
+        import zstandard  # here, as brotli above
+
+        self._error = zstandard.ZstdError
         self._dctx = zstandard.ZstdDecompressor(max_window_size=ZSTD_MAX_WINDOW)
         self._d = self._dctx.decompressobj(write_size=_PIECE)
         self._frames = 1
@@ -209,7 +212,7 @@ class _ZstdStage(_Stage):
                     carry = self._d.unused_data
                 if out:
                     yield self._count(out)
-        except zstandard.ZstdError as exc:
+        except self._error as exc:
             raise _corrupt(self.coding, exc) from None
 
     def finish(self) -> Iterator[bytes]:
