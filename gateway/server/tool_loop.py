@@ -174,7 +174,7 @@ class ToolLoop:
         Runs before the response starts, so a ``tool_choice`` naming a tool the server does not have is
         still a clean 400."""
         ctx = self.state.ctx
-        reused = reused_listings(self.history)
+        reused = reused_listings([*self.history, *self.new_input])  # the chain, or the history the client sent
         listed: dict[str, list[dict[str, Any]]] = {}
         shown: list[Shown] = []
         to_list = [str(t["server_label"]) for t in ctx.mcp_tools if str(t["server_label"]) not in reused]

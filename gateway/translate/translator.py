@@ -358,6 +358,8 @@ class FunctionSseTranslator:
         label = str(info.definition.get("server_label"))
         server = self.state.ctx.mcp_server(label) or {}
         suffix = str(st.up.item.get("id") or "").partition("_")[2] or None
+        if suffix and any(o.item_id and o.item_id.endswith("_" + suffix) for o in self._order):
+            suffix = None  # an upstream that reuses an item id across rounds: the client's ids stay unique
         if approval_required(server, info.name):
             st.kind = "approval"
             item = approval_request_item(label, info.name, "", item_id=f"mcpr_{suffix}" if suffix else None)
