@@ -137,6 +137,7 @@ class _Connection:
         self.closed = False
         self.current: asyncio.Task[None] | None = None
         self.close_code: int | None = None
+        self.last_active = time.monotonic()  # the last message received or response finished (idle timeout)
 
     async def run(self) -> None:
         worker = asyncio.create_task(self._work())
@@ -158,17 +159,28 @@ class _Connection:
                 with contextlib.suppress(Exception):
                     await self.ws.close(code=self.close_code)
 
+    def _idle_left(self) -> float | None:
+        """Seconds until this connection counts as idle (None: never). While a response runs or waits, a full
+        period: the reader checks again then. Idle means quiet since the last message *and* the last response."""
+        idle = self.settings.websocket_idle_timeout
+        if idle <= 0:
+            return None
+        if (self.current is not None and not self.current.done()) or not self.queue.empty():
+            return idle
+        return max(0.0, self.last_active + idle - time.monotonic())
+
     async def _read(self) -> None:
         limit = self.settings.max_body_bytes
-        idle = self.settings.websocket_idle_timeout
         while True:
             try:
-                async with asyncio.timeout(idle if idle > 0 and self.current is None and self.queue.empty()
-                                           else None):
+                async with asyncio.timeout(self._idle_left()):
                     message = await self.ws.receive()
             except TimeoutError:
-                self.close_code = 1000  # idle: nothing asked for that long
-                return
+                if self._idle_left() == 0:
+                    self.close_code = 1000  # idle: nothing asked for, nothing running, for that long
+                    return
+                continue  # a response ran meanwhile: the clock starts from its end
+            self.last_active = time.monotonic()
             if message["type"] == "websocket.disconnect":
                 return
             text = message.get("text")
@@ -176,7 +188,8 @@ class _Connection:
                 text = message["bytes"].decode("utf-8", "replace")
             if text is None:
                 continue
-            if len(text) > limit:
+            # the limit is in bytes, as for an HTTP body (a character may be up to 4 of them)
+            if len(text) > limit or (not text.isascii() and len(text.encode()) > limit):
                 self.close_code = CLOSE_TOO_BIG
                 return
             try:
@@ -208,6 +221,8 @@ class _Connection:
             except asyncio.CancelledError:
                 self.current.cancel()
                 raise
+            finally:
+                self.last_active = time.monotonic()
 
     async def _send(self, text: str) -> None:
         if not self.closed:
@@ -226,7 +241,7 @@ class _Connection:
                                                 "message": f"Unsupported message type {mtype!r}: this endpoint "
                                                            "accepts 'response.create'."}))
             return
-        await self._create(message, len(text))
+        await self._create(message, len(text) if text.isascii() else len(text.encode()))
 
     async def _create(self, message: dict[str, Any], size: int) -> None:
         record = RequestRecord(request_id="req_" + uuid.uuid4().hex, route="/v1/responses", method="WEBSOCKET",
@@ -254,6 +269,13 @@ class _Connection:
             record.status, error = _ws_error(exc)
             record.error_code = error.get("code")
             await self._send(_error_frame(record.status, error))
+            return
+        except Exception as exc:  # never a dropped connection for one bad request: the HTTP path's 500, as a frame
+            log.error("unhandled_error", request_id=record.request_id, route="/v1/responses (websocket)",
+                      error=type(exc).__name__)
+            record.status, record.error_code = 500, "internal_error"
+            await self._send(_error_frame(500, {"type": "server_error", "code": "internal_error",
+                                                "message": "The gateway failed to handle this request."}))
             return
         if isinstance(outcome, Answered):
             payload = outcome.payload if isinstance(outcome.payload, dict) else {}

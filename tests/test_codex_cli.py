@@ -1,0 +1,250 @@
+"""Codex CLI as a judge: ``codex exec`` over the gateway's WebSocket mode applies a patch and answers.
+
+Codex (pinned in ``tests/codex/package.json`` / ``package-lock.json``, installed with ``npm ci`` on first use;
+the npm package ships its native binary in an optional per-platform package) is configured through a temporary
+``CODEX_HOME``: a provider block for the gateway with ``supports_websockets = true``, and a model catalog entry
+for ``tiny`` whose ``apply_patch_tool_type`` is ``freeform``, so Codex sends ``apply_patch`` as a ``custom`` tool
+with its Lark grammar, as it does for OpenAI's models.
+
+The gateway runs with its defaults (``tool_choice_enforcement = constrain``): the upstream opens an
+``apply_patch`` call, the gateway takes it over with a grammar-constrained ``/v1/chat/completions`` step
+(README "Grammar custom tools under auto") and streams that step's content as the custom call's input.
+The scripted upstream is a real loopback server; its /v1/responses streams are SYNTHESIZED in vLLM 0.32's
+framing (``tests/vllm_frames.py``) and its chat stream in vLLM 0.32's chunk framing
+(``cassettes/vllm/chat_structured_grammar_stream.yaml``). Neither is a recording of a real vLLM.
+
+``node`` and ``npm`` are required: without them this test fails rather than skips, so CI runs it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from structlog.testing import capture_logs
+
+from gateway.config import Settings
+from tests.support import running_gateway, serve_in_thread
+from tests.vllm_frames import VllmStream, _dumps, args_deltas
+
+CODEX = Path(__file__).resolve().parent / "codex"
+CODEX_BIN = CODEX / "node_modules" / ".bin" / "codex"
+CODEX_TIMEOUT = 45
+PATCH = "*** Begin Patch\n*** Add File: hello.txt\n+hi\n*** End Patch\n"
+
+
+# --- node, npm and the pinned Codex -------------------------------------------------------------------------------
+
+
+def _node_modules_fresh() -> bool:
+    marker = CODEX / "node_modules" / ".package-lock.json"  # npm writes it on every install
+    return marker.exists() and marker.stat().st_mtime >= (CODEX / "package-lock.json").stat().st_mtime
+
+
+@pytest.fixture(scope="session")
+def codex() -> str:
+    """The pinned Codex CLI (``npm ci`` in tests/codex when node_modules is missing or stale); its version."""
+    node, npm = shutil.which("node"), shutil.which("npm")
+    if not node or not npm:
+        pytest.fail("node and npm are required for the Codex CLI test (it runs in CI; install Node.js)")
+    if not _node_modules_fresh():
+        proc = subprocess.run([npm, "ci", "--prefix", str(CODEX), "--no-audit", "--no-fund"], capture_output=True,
+                              text=True, timeout=600, check=False)
+        if proc.returncode != 0:
+            pytest.fail(f"npm ci in {CODEX} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    proc = subprocess.run([str(CODEX_BIN), "--version"], capture_output=True, text=True, timeout=60, check=False)
+    if proc.returncode != 0:  # e.g. no native binary for this platform in the optional packages
+        pytest.fail(f"codex --version failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+    pinned = json.loads((CODEX / "package.json").read_text())["dependencies"]["@openai/codex"]
+    assert proc.stdout.split()[-1] == pinned, proc.stdout
+    return pinned
+
+
+# --- the scripted upstream ------------------------------------------------------------------------------------------
+
+
+def chat_chunks(pieces: list[str], *, chat_id: str = "chatcmpl-00000000000000c1") -> list[bytes]:
+    """A vLLM 0.32 /v1/chat/completions stream of content ``pieces`` (SYNTHESIZED; framing as recorded in
+    cassettes/vllm/chat_structured_grammar_stream.yaml): role chunk, content chunks, finish, usage, [DONE]."""
+    head = {"id": chat_id, "object": "chat.completion.chunk", "created": 1795973040, "model": "tiny"}
+
+    def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> bytes:
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        if finish is not None:
+            choice["stop_reason"] = None
+        choice["token_ids"] = None
+        return f"data: {_dumps({**head, 'choices': [choice], **extra})}\n\n".encode()
+
+    first = {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                  "finish_reason": None}], "prompt_token_ids": None, "prompt_text": None}
+    usage = {**head, "choices": [], "usage": {"prompt_tokens": 300, "total_tokens": 340, "completion_tokens": 40},
+             "system_fingerprint": "vllm-0.32.0-ed9cb571"}
+    return [f"data: {_dumps(first)}\n\n".encode(), *(chunk({"content": p}) for p in pieces),
+            chunk({}, "stop"), f"data: {_dumps(usage)}\n\n".encode(), b"data: [DONE]\n\n"]
+
+
+def _has_tool_output(body: dict[str, Any]) -> bool:
+    items = body.get("input") if isinstance(body.get("input"), list) else []
+    return any(isinstance(i, dict) and i.get("type") == "function_call_output" for i in items)
+
+
+class CodexUpstream:
+    """Turn 1: an apply_patch call (the gateway sent it as a function taking {"input": ...}); the constrained
+    chat step answers with the patch. Turn 2 (the patch's output in the input): a text message."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[str, dict[str, Any]]] = []
+
+    def app(self) -> Starlette:
+        async def responses(request: Request) -> Response:
+            body = json.loads(await request.body())
+            self.requests.append(("/v1/responses", body))
+            n = sum(p == "/v1/responses" for p, _ in self.requests)
+            stream = VllmStream(f"resp_{n:016x}", tools=body.get("tools") or []).start()
+            if _has_tool_output(body):
+                stream.message("msg_00000000000000d2", ["Created ", "hello.txt."])
+            else:
+                stream.call("fc_00000000000000d1", "chatcmpl-tool-00000000000000d1", "apply_patch",
+                            args_deltas({"input": PATCH}, 6))
+            return StreamingResponse(iter([f.encode() for f in stream.complete().frames]),
+                                     media_type="text/event-stream")
+
+        async def chat(request: Request) -> Response:
+            self.requests.append(("/v1/chat/completions", json.loads(await request.body())))
+            return StreamingResponse(iter(chat_chunks(args_deltas(PATCH, 8))), media_type="text/event-stream")
+
+        async def models(request: Request) -> Response:
+            return JSONResponse({"object": "list", "data": [{"id": "tiny", "object": "model"}]})
+
+        return Starlette(routes=[Route("/v1/responses", responses, methods=["POST"]),
+                                 Route("/v1/chat/completions", chat, methods=["POST"]),
+                                 Route("/v1/models", models, methods=["GET"])])
+
+
+# --- Codex's configuration --------------------------------------------------------------------------------------------
+
+
+def tiny_model_entry() -> dict[str, Any]:
+    """A model catalog entry (the shape of Codex's bundled models.json) for ``tiny``: freeform apply_patch."""
+    levels = [{"effort": e, "description": e} for e in ("low", "medium", "high")]
+    return {
+        "slug": "tiny", "display_name": "tiny", "description": "A local test model behind the gateway.",
+        "base_instructions": "You are a coding agent. Edit files with the apply_patch tool.",
+        "model_messages": None, "prefer_websockets": True, "apply_patch_tool_type": "freeform",
+        "web_search_tool_type": "text", "supports_search_tool": False, "shell_type": "shell_command",
+        "input_modalities": ["text"], "supports_image_detail_original": False,
+        "truncation_policy": {"mode": "tokens", "limit": 10000}, "supports_parallel_tool_calls": False,
+        "tool_mode": None, "multi_agent_version": None, "multi_agent_reasoning_effort": None,
+        "use_responses_lite": False, "supports_reasoning_effort_updates": False,
+        "include_skills_usage_instructions": False, "include_apps_usage_instructions": False,
+        "include_plugin_usage_instructions": False, "guardian": None, "node_repl_auto_review_required": False,
+        "node_repl_disabled": False, "requires_sandboxed_review": False, "auto_review_model_override": None,
+        "model_specialty": None, "context_window": 32768, "max_context_window": 32768,
+        "auto_compact_token_limit": None, "comp_hash": "0", "default_reasoning_summary": "none",
+        "default_reasoning_level": "low", "supported_reasoning_levels": levels, "visibility": "list",
+        "minimal_client_version": "0.1.0", "supported_in_api": True, "availability_nux": None, "upgrade": None,
+        "priority": 1, "experimental_supported_tools": [], "available_in_plans": [],
+        "supports_experimental_context": False, "default_service_tier": None, "service_tiers": [],
+        "additional_speed_tiers": [], "support_verbosity": False, "default_verbosity": None,
+        "supports_reasoning_summary_parameter": False, "supports_reasoning_summaries": False,
+    }
+
+
+def write_codex_home(home: Path, gateway_url: str) -> None:
+    home.mkdir()
+    catalog = home / "models.json"
+    catalog.write_text(json.dumps({"models": [tiny_model_entry()]}))
+    (home / "config.toml").write_text(f"""\
+model = "tiny"
+model_provider = "gw"
+model_catalog_json = {json.dumps(str(catalog))}
+approval_policy = "never"
+sandbox_mode = "danger-full-access"
+check_for_update_on_startup = false
+
+[model_providers.gw]
+name = "responses-gateway"
+base_url = "{gateway_url}/v1"
+wire_api = "responses"
+env_key = "GW_KEY"
+supports_websockets = true
+request_max_retries = 0
+stream_max_retries = 0
+
+[features]
+plugins = false
+apps = false
+
+[analytics]
+enabled = false
+""")
+
+
+def test_codex_exec_applies_a_patch_over_the_websocket(codex: str, tmp_path: Path) -> None:
+    upstream = CodexUpstream()
+    work = tmp_path / "work"
+    work.mkdir()
+    home = tmp_path / "codex-home"
+    with serve_in_thread(upstream.app()) as (up_url, _), capture_logs() as logs, \
+            running_gateway(Settings(upstream_url=up_url, store="none")) as url:  # default enforcement
+        write_codex_home(home, url)
+        env = {**os.environ, "CODEX_HOME": str(home), "GW_KEY": "sk-gateway-test", "NO_COLOR": "1",
+               "RUST_LOG": "warn"}
+        # --strict-config: a key this Codex does not know fails the run (config drift on an upgrade shows)
+        command = [str(CODEX_BIN), "exec", "--strict-config", "--skip-git-repo-check",
+                   "--dangerously-bypass-approvals-and-sandbox", "--json", "-C", str(work),
+                   "Create hello.txt containing hi."]
+        try:
+            proc = subprocess.run(command, cwd=work, env=env, stdin=subprocess.DEVNULL, capture_output=True,
+                                  text=True, timeout=CODEX_TIMEOUT, check=False)
+        except subprocess.TimeoutExpired as exc:
+            out = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) else exc.stdout
+            err = (exc.stderr or b"").decode(errors="replace") if isinstance(exc.stderr, bytes) else exc.stderr
+            pytest.fail(f"codex {codex} ran past {CODEX_TIMEOUT} s; upstream saw {len(upstream.requests)} "
+                        f"request(s):\n{(out or '')[-3000:]}\n{(err or '')[-3000:]}")
+        metrics = httpx.get(url + "/metrics").text
+    detail = f"codex {codex} exited {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, detail
+    assert (work / "hello.txt").read_text() == "hi\n", detail
+    events = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert events[-1]["type"] == "turn.completed", detail
+    messages = [e["item"]["text"] for e in events if e["type"] == "item.completed"
+                and e["item"].get("type") == "agent_message"]
+    assert messages == ["Created hello.txt."], detail
+    # Codex spoke WebSocket mode: every response went over the socket, none over POST
+    ws_messages = [line for line in metrics.splitlines()
+                   if line.startswith('responses_gateway_websocket_messages_total{type="response.create"}')]
+    assert ws_messages and float(ws_messages[0].split()[-1]) >= 2, metrics
+    access = [e for e in logs if e.get("event") == "request" and e.get("route") == "/v1/responses"]
+    assert len(access) >= 2 and {e["method"] for e in access} == {"WEBSOCKET"}, access
+    assert all(e["status"] == 200 for e in access), access
+    # what Codex sent: apply_patch as a custom grammar tool, which the upstream saw as a function taking {"input"}
+    paths = [p for p, _ in upstream.requests]
+    assert paths == ["/v1/responses", "/v1/chat/completions", "/v1/responses"], paths
+    first, chat, second = (body for _, body in upstream.requests)
+    [tool] = [t for t in first["tools"] if t.get("name") == "apply_patch"]
+    assert tool["type"] == "function" and tool["parameters"]["required"] == ["input"], tool
+    assert "Lark grammar" in tool["description"], tool
+    grammar = chat["structured_outputs"]["grammar"]  # the constrained step got Codex's own grammar
+    assert grammar.startswith("start: begin_patch hunk+ end_patch") and grammar in tool["description"], grammar
+    assert chat["stream"] is True
+    # Codex (0.171) warms up with generate: false, then chains each turn with previous_response_id and store:
+    # false, sending only the new items: the gateway's per-connection cache rebuilt the whole conversation
+    history = second["input"]
+    assert history[: len(first["input"])] == first["input"]
+    assert [i.get("type", "message") for i in history[len(first["input"]):]] == ["function_call",
+                                                                              "function_call_output"], history
+    assert first["input"][0]["role"] == "developer"  # the warm-up's input (its instructions) came first
+    [call] = [i for i in second["input"] if i.get("type") == "function_call"]
+    assert call["name"] == "apply_patch" and json.loads(call["arguments"]) == {"input": PATCH}, call
+    assert 'outcome="constrained"} 1.0' in metrics
