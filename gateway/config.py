@@ -73,6 +73,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("store", "--store", "GATEWAY_STORE", str,
            "Response store: sqlite:///file.db, postgresql://user@host:port/db or none."),
     Option("store_ttl", "--store-ttl", "GATEWAY_STORE_TTL", float, "Seconds to keep stored responses; 0 keeps them."),
+    Option("max_background_responses", "--max-background-responses", "GATEWAY_MAX_BACKGROUND_RESPONSES", int,
+           "Background responses (background: true) running at once on this replica before 429."),
     Option("log_level", "--log-level", "GATEWAY_LOG_LEVEL", str, "Log level.",
            choices=("debug", "info", "warning", "error")),
     Option("mcp_allowed_hosts", "--mcp-allowed-hosts", "GATEWAY_MCP_ALLOWED_HOSTS", _csv,
@@ -112,6 +114,7 @@ class Settings:
     drain_timeout: float = 20.0
     store: str = "sqlite:///responses-gateway.db"
     store_ttl: float = 0.0
+    max_background_responses: int = 64
     log_level: str = "info"
     mcp_allowed_hosts: tuple[str, ...] = ()
     mcp_servers_file: str | None = None

@@ -30,6 +30,7 @@ from gateway.errors import (
     Unauthorized,
 )
 from gateway.server.auth import ApiKeyAuth, GatewayAuthMiddleware, request_owner, unauthorized, verdict
+from gateway.server.background import BackgroundRuns
 from gateway.server.conversations import ConversationsApi
 from gateway.server.health import Readiness
 from gateway.server.http import OrjsonResponse, SseResponse, cancel_on_disconnect, error_response
@@ -190,14 +191,22 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
         return st
 
     async def get_response(request: Request, record: RequestRecord) -> Response:
-        if request.query_params.get("stream", "").lower() == "true":
-            raise InvalidRequest("Streaming a stored response needs background mode, which this gateway does not "
-                                 "offer.", param="stream", code="unsupported_parameter")
         rid = request.path_params["response_id"]
-        rec = await _store().get(rid, owner=request_owner(request.scope))
+        owner = request_owner(request.scope)
+        stream = request.query_params.get("stream", "").lower() == "true"
+        after = _starting_after(request.query_params.get("starting_after")) if stream else -1
+        rec = await _store().get(rid, owner=owner)
         if rec is None:
             raise NotFound(f"Response with id '{rid}' not found.", param="response_id")
-        return OrjsonResponse(rec.response)
+        if not stream:
+            return OrjsonResponse(rec.response)
+        runs: BackgroundRuns | None = services.get("background")
+        if runs is None or rec.response.get("background") is not True:
+            raise InvalidRequest("Only responses created with background=true can be streamed.", param="stream",
+                                 code="unsupported_parameter")
+        # Its stored events after starting_after, then the live ones until the terminal event, from any replica.
+        record.stream = True
+        return SseResponse(runs.follow(rid, after, owner), on_disconnect=lambda: _left(record))
 
     async def delete_response(request: Request, record: RequestRecord) -> Response:
         rid = request.path_params["response_id"]
@@ -207,10 +216,17 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
 
     async def cancel_response(request: Request, record: RequestRecord) -> Response:
         rid = request.path_params["response_id"]
-        if await _store().get(rid, owner=request_owner(request.scope)) is None:
+        owner = request_owner(request.scope)
+        store = _store()
+        runs: BackgroundRuns | None = services.get("background")
+        # A background response still running is cancelled on whichever replica runs it; idempotent.
+        rec = await runs.cancel(rid, owner) if runs is not None else await store.get(rid, owner=owner)
+        if rec is None:
             raise NotFound(f"Response with id '{rid}' not found.", param="response_id")
-        raise InvalidRequest("Only responses created with background=true can be cancelled.",
-                             param="response_id", code="invalid_request")
+        if rec.response.get("background") is not True:
+            raise InvalidRequest("Only responses created with background=true can be cancelled.",
+                                 param="response_id", code="invalid_request")
+        return OrjsonResponse(rec.response)
 
     async def list_input_items(request: Request, record: RequestRecord) -> Response:
         rid = request.path_params["response_id"]
@@ -250,18 +266,25 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
         upstream = UpstreamClient(settings, transport=transport)
         st: ResponseStore | None = open_store(settings.store) if store == "from-settings" else store  # type: ignore[assignment]
         sweeper = None
+        runs: BackgroundRuns | None = None
         if st is not None:
             await st.start()
             if settings.store_ttl > 0:
                 sweeper = asyncio.create_task(run_sweeper(st, int(settings.store_ttl),
                                                           interval=min(300.0, max(1.0, settings.store_ttl / 10))))
-        services.update(upstream=upstream, store=st,
+            # Background responses: runs, leases, and the sweep of those whose replica stopped (at start-up too).
+            runs = BackgroundRuns(st, limit=settings.max_background_responses, drain=drain,
+                                  drain_timeout=settings.drain_timeout)
+            await runs.start()
+        services.update(upstream=upstream, store=st, background=runs,
                         responses=ResponsesHandler(settings=settings, upstream=upstream, store=st, drain=drain,
-                                                   mcp=hub))
+                                                   mcp=hub, background=runs))
         app.state.services = services
         try:
             yield
         finally:
+            if runs is not None:  # first: runs still going use the upstream client and the store
+                await runs.close()
             if sweeper is not None:
                 sweeper.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -368,3 +391,18 @@ def paginate(items: list[dict[str, Any]], query: Any) -> dict[str, Any]:
         "last_id": page[-1].get("id") if page else None,
         "has_more": len(seq) > len(page),
     }
+
+
+def _starting_after(raw: str | None) -> int:
+    """``starting_after`` of ``GET /v1/responses/{id}?stream=true``: a sequence number (-1 or absent: from the
+    first event)."""
+    if raw is None or raw == "":
+        return -1
+    try:
+        value = int(raw)
+    except ValueError:
+        raise InvalidRequest("'starting_after' must be an integer.", param="starting_after",
+                             code="invalid_type") from None
+    if value < -1:
+        raise InvalidRequest("'starting_after' must be at least -1.", param="starting_after", code="invalid_value")
+    return value

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import structlog
@@ -35,6 +35,9 @@ from gateway.translate.tool_context import ToolInfo, resolve_tool_context
 from gateway.translate.translator import FunctionSseTranslator
 from gateway.upstream.chat import chat_completion_events, chat_event_batches, responses_event_batches
 from gateway.upstream.client import UpstreamClient, UpstreamResponse
+
+if TYPE_CHECKING:
+    from gateway.server.background import BackgroundRuns, RunIdentity
 
 log = structlog.get_logger("gateway.responses")
 
@@ -89,6 +92,8 @@ class ResponsesHandler:
     mcp: McpHub | None = None
     # Seals reasoning as encrypted_content (gateway.translate.sealing); built on first use from --reasoning-key.
     sealer: ReasoningSealer | None = None
+    # Background mode (gateway.server.background); None (no store): background=true is refused.
+    background: BackgroundRuns | None = None
 
     async def create(self, request: Request, record: RequestRecord) -> Response:
         """``POST /v1/responses`` over HTTP: the body read and parsed, the outcome as a starlette response."""
@@ -99,19 +104,30 @@ class ResponsesHandler:
         return http_response(outcome, record)
 
     async def respond(self, body: dict[str, Any], headers: Mapping[str, str], owner: str | None,
-                      record: RequestRecord, turn: Turn | None = None) -> Outcome:
+                      record: RequestRecord, turn: Turn | None = None, *,
+                      run: RunIdentity | None = None) -> Outcome:
         """The transport-independent producer of a response: a parsed request body in; a JSON answer (an error,
         or a non-streamed Response) or the client's SSE frames out. The SSE handler, the WebSocket transport and
         background runs all consume it. ``owner``: the caller's keyed key hash (None without gateway keys).
-        ``turn``: a WebSocket connection's own recent responses (``previous_response_id`` with ``store: false``)."""
+        ``turn``: a WebSocket connection's own recent responses (``previous_response_id`` with ``store: false``).
+        ``run``: set by a background run calling back in (its response's id and created_at)."""
         record.model = body.get("model") if isinstance(body.get("model"), str) else None
         record.stream = bool(body.get("stream"))
+        # --- background mode (gateway.server.background): the registry answers now and runs the response in a
+        # task of its own, which comes back here with ``run`` set and streams like any other response.
+        if body.get("background") and run is None:
+            if self.background is None:
+                raise InvalidRequest("background needs a response store, and this gateway runs with --store none.",
+                                     param="background", code="store_disabled")
+            return await self.background.start_run(self, body, headers, owner, record)
+        # --- end of background mode
         body = await self._resolve_references(body, owner)
         ctx = resolve_tool_context(body)
         history = await self._history(body, owner, turn)
         if turn is not None:
             turn.history, turn.input_items = history, public_input_items(body)
-        state = build_request_state(body, ctx, response_id=new_id("resp"), created_at=int(time.time()),
+        state = build_request_state(body, ctx, response_id=run.response_id if run else new_id("resp"),
+                                    created_at=run.created_at if run else int(time.time()),
                                     max_unnamed_call_bytes=self.settings.max_unnamed_call_bytes)
         persist = self._persister(body, state, owner) if self._should_store(body) or conversation_ref(body) \
             else None

@@ -12,6 +12,11 @@ Sequence on the first SIGTERM/SIGINT:
 5. Requests still running ``ABORT_GRACE`` seconds later (non-streamed ones waiting on the upstream) are
    cancelled by uvicorn, the lifespan closes the upstream client and the store, and the process exits 0.
 
+Background responses (gateway.server.background) belong to no connection: the lifespan's shutdown gives them
+what is left of the same period (``drain_timeout`` + ``ABORT_GRACE`` from ``Drain.began_at``; their upstream
+reads are aborted with the streams' in step 4, so they end ``response.failed``), then stops the ones still
+going and marks them failed (``gateway_stopped``) in the store before it closes.
+
 A second signal forces an immediate exit (operators pressing Ctrl-C twice).
 """
 
@@ -21,6 +26,7 @@ import asyncio
 import contextlib
 import signal
 import threading
+import time
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Generator
 from types import FrameType
 from typing import Any, TypeVar
@@ -48,6 +54,7 @@ class Drain:
     def __init__(self) -> None:
         self.draining = False
         self.aborted = False
+        self.began_at: float | None = None  # time.monotonic() of the first begin(): background runs' deadline
         self._reads: set[asyncio.Task[Any]] = set()
         self._cancelled: set[asyncio.Task[Any]] = set()
         self.on_abort: list[Callable[[], None]] = []  # once per stream ended by abort() (a metric)
@@ -57,8 +64,10 @@ class Drain:
         return len(self._reads)
 
     def begin(self) -> None:
-        """Safe to call from a signal handler: it only sets a flag."""
+        """Safe to call from a signal handler: it only sets flags."""
         self.draining = True
+        if self.began_at is None:
+            self.began_at = time.monotonic()
 
     def abort(self) -> None:
         """End every stream still reading from the upstream (must run on the event loop)."""

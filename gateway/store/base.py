@@ -9,11 +9,20 @@ missing one (None, [], False), so an id's existence never leaks across tenants.
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 DEFAULT_MAX_CHAIN_DEPTH = 1000
+
+# Statuses of a background response that may still change; every other status is final.
+RUNNING_STATUSES = ("queued", "in_progress")
+
+# A background-response notification: (response_id, what), what being the last sequence number written (as
+# text) or "cancel". A hint only: listeners re-read the store (gateway.server.background).
+EventListener = Callable[[str, str], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +129,77 @@ class ResponseStore(ABC):
     async def sweep(self, older_than: int) -> int:
         """Delete every response with created_at < older_than (unix seconds) and every conversation with
         updated_at < older_than (created and not changed since), with their items; return how many."""
+
+    # ------------------------------------------------------------------ background responses
+    #
+    # A background response (gateway.server.background) is a responses row with ``background`` set, a lease
+    # (the replica running it, until when), a ``cancel_requested`` flag, and its stream events in their own
+    # table, keyed by sequence number. Its row's status moves queued -> in_progress -> a final status once:
+    # a final status is never replaced, not even by put() (a late write of a run that was cancelled or given
+    # up is dropped). Events go with their response (delete, sweep).
+
+    @abstractmethod
+    async def create_background(self, record: StoredResponse, lease_owner: str, lease_expires_at: float) -> None:
+        """Insert the row of a new background response (status ``record.status``, normally queued), leased to
+        ``lease_owner`` until ``lease_expires_at`` (unix seconds)."""
+
+    @abstractmethod
+    async def append_events(self, response_id: str, events: list[dict[str, Any]]) -> None:
+        """Store stream events (each with its ``sequence_number``), atomically; a number already stored is
+        kept as it is. Listeners (of every replica) are told the last number written."""
+
+    @abstractmethod
+    async def get_events(self, response_id: str, after: int = -1, owner: str | None = None,
+                         limit: int = 1000) -> list[dict[str, Any]]:
+        """Up to ``limit`` stored events with sequence_number > ``after``, in order ([] for a response that
+        does not exist or is another owner's)."""
+
+    @abstractmethod
+    async def set_status(self, response_id: str, status: str, response: dict[str, Any], *,
+                         event: dict[str, Any] | None = None, lease_owner: str | None = None,
+                         expired_before: float | None = None) -> bool:
+        """Move a background response that is still queued or in_progress to ``status`` with ``response`` as
+        its stored object; False (nothing written) when it is not (any more). ``event``: a terminal event
+        appended in the same transaction, its ``sequence_number`` set here to the next one. ``lease_owner`` /
+        ``expired_before``: only if the lease is that replica's / expired before that time (the lease is then
+        cleared, so a replica that was only stalled learns at its next renewal that the run is no longer its)."""
+
+    @abstractmethod
+    async def renew_leases(self, lease_owner: str, response_ids: list[str], lease_expires_at: float) -> list[str]:
+        """Extend the leases ``lease_owner`` holds on these responses; the ids whose run must stop: cancel
+        requested, leased by another replica, or gone (deleted)."""
+
+    @abstractmethod
+    async def request_cancel(self, response_id: str, owner: str | None = None) -> StoredResponse | None:
+        """Cancel a background response that is queued or in_progress: status and stored object become
+        ``cancelled`` and the running replica is told (its listeners, its next renew_leases). The row as it
+        is afterwards (unchanged when it had already ended, or is not a background response); None if there
+        is none (or it is another owner's)."""
+
+    @abstractmethod
+    async def expired_leases(self, now: float, limit: int = 100) -> list[str]:
+        """Ids of background responses still queued or in_progress whose lease expired before ``now``."""
+
+    def add_event_listener(self, listener: EventListener) -> None:
+        """Call ``listener(response_id, what)`` on each notification (see EventListener), on the event loop."""
+        self.__dict__.setdefault("_event_listeners", []).append(listener)
+
+    def remove_event_listener(self, listener: EventListener) -> None:
+        listeners = self.__dict__.get("_event_listeners", [])
+        if listener in listeners:
+            listeners.remove(listener)
+
+    async def listen(self) -> None:
+        """Make sure notifications from other processes arrive (PostgreSQL: a LISTEN connection, reopened if
+        it was lost); a no-op where there are none (SQLite: in-process only; other processes are polled)."""
+        return None
+
+    def _notify_local(self, response_id: str, what: str) -> None:
+        for listener in list(self.__dict__.get("_event_listeners", ())):
+            try:
+                listener(response_id, what)
+            except Exception:  # a listener's bug must not fail the write that notified it
+                logging.getLogger(__name__).exception("background event listener failed")
 
     # ------------------------------------------------------------------ conversations
 

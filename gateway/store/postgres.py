@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import time
 from typing import Any
 
 import asyncpg
@@ -84,9 +85,26 @@ MIGRATIONS: list[tuple[str, ...]] = [
         "ON {s}.conversation_items (conversation_id, position)",
         "CREATE INDEX IF NOT EXISTS conversation_items_item ON {s}.conversation_items (item_id)",
     ),
+    (
+        # Background responses (gateway.server.background): the lease of the replica running one (unix ms),
+        # a cancel flag, and its stream events by sequence number (they go with their response).
+        "ALTER TABLE {s}.responses ADD COLUMN IF NOT EXISTS background BOOLEAN NOT NULL DEFAULT FALSE",
+        "ALTER TABLE {s}.responses ADD COLUMN IF NOT EXISTS lease_owner TEXT",
+        "ALTER TABLE {s}.responses ADD COLUMN IF NOT EXISTS lease_expires_at BIGINT",
+        "ALTER TABLE {s}.responses ADD COLUMN IF NOT EXISTS cancel_requested BOOLEAN NOT NULL DEFAULT FALSE",
+        "CREATE INDEX IF NOT EXISTS responses_running ON {s}.responses (lease_expires_at) "
+        "WHERE status IN ('queued', 'in_progress')",
+        """CREATE TABLE IF NOT EXISTS {s}.response_events (
+            response_id TEXT NOT NULL,
+            sequence_number BIGINT NOT NULL,
+            event JSONB NOT NULL,
+            PRIMARY KEY (response_id, sequence_number)
+        )""",
+    ),
 ]
 
 _COLUMNS = "id, created_at, previous_response_id, status, response, input_items, tool_context, updated_at, owner"
+_RUNNING = "status IN ('queued', 'in_progress')"
 _CONV_COLUMNS = "id, created_at, updated_at, metadata, owner"
 _MAX_POSITION = 2**62
 
@@ -94,6 +112,11 @@ _MAX_POSITION = 2**62
 def _owned(n: int, column: str = "owner") -> str:
     """The owner filter on parameter $n: no owner given means single-tenant, no filter."""
     return f"(${n}::text IS NULL OR {column} = ${n})"
+
+
+def _ms(seconds: float) -> int:
+    """Lease times are stored as unix milliseconds."""
+    return int(seconds * 1000)
 
 
 def _lock_key(schema: str) -> int:
@@ -159,7 +182,9 @@ class PostgresResponseStore(ResponseStore):
             "ON CONFLICT (id) DO UPDATE SET created_at = EXCLUDED.created_at, "
             "previous_response_id = EXCLUDED.previous_response_id, status = EXCLUDED.status, "
             "response = EXCLUDED.response, input_items = EXCLUDED.input_items, "
-            "tool_context = EXCLUDED.tool_context, updated_at = EXCLUDED.updated_at, owner = EXCLUDED.owner"
+            "tool_context = EXCLUDED.tool_context, updated_at = EXCLUDED.updated_at, owner = EXCLUDED.owner "
+            # A background response's final status is final: a late write of its run is dropped.
+            f"WHERE NOT {t}.background OR {t}.status IN ('queued', 'in_progress')"
         )
         self._get_sql = f"SELECT {_COLUMNS} FROM {t} WHERE id = $1 AND {_owned(2)}"
         self._chain_sql = f"""
@@ -183,6 +208,28 @@ class PostgresResponseStore(ResponseStore):
         self._get_items_sql = f"SELECT item_id, item FROM {it} WHERE item_id = ANY($1::text[]) AND {_owned(2)}"
         self._delete_items_sql = f"DELETE FROM {it} WHERE response_id = $1"
         self._sweep_items_sql = f"DELETE FROM {it} WHERE response_id IN (SELECT id FROM {t} WHERE created_at < $1)"
+        ev = f'"{schema}".response_events'
+        self._delete_events_sql = f"DELETE FROM {ev} WHERE response_id = $1"
+        self._sweep_events_sql = f"DELETE FROM {ev} WHERE response_id IN (SELECT id FROM {t} WHERE created_at < $1)"
+        self._create_bg_sql = (f"INSERT INTO {t} ({_COLUMNS}, background, lease_owner, lease_expires_at) "
+                               "VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, TRUE, $10, $11)")
+        self._append_event_sql = (f"INSERT INTO {ev} (response_id, sequence_number, event) VALUES ($1, $2, $3) "
+                                  "ON CONFLICT (response_id, sequence_number) DO NOTHING")
+        self._get_events_sql = (f"SELECT e.event FROM {ev} e WHERE e.response_id = $1 AND e.sequence_number > $2 "
+                                f"AND EXISTS (SELECT 1 FROM {t} r WHERE r.id = $1 AND {_owned(3, 'r.owner')}) "
+                                "ORDER BY e.sequence_number LIMIT $4")
+        self._next_seq_sql = f"SELECT COALESCE(MAX(sequence_number), -1) + 1 FROM {ev} WHERE response_id = $1"
+        self._renew_sql = (f"UPDATE {t} SET lease_expires_at = $3 WHERE id = ANY($1::text[]) AND lease_owner = $2 "
+                           f"AND {_RUNNING}")
+        self._lease_state_sql = f"SELECT id, lease_owner, cancel_requested FROM {t} WHERE id = ANY($1::text[])"
+        self._cancel_sql = (f"UPDATE {t} SET status = 'cancelled', cancel_requested = TRUE, updated_at = $3, "
+                            "response = jsonb_set(response, '{status}', '\"cancelled\"') "
+                            f"WHERE id = $1 AND {_owned(2)} AND background AND {_RUNNING} RETURNING {_COLUMNS}")
+        self._expired_sql = (f"SELECT id FROM {t} WHERE {_RUNNING} AND background AND lease_expires_at < $1 "
+                             "LIMIT $2")
+        # One channel per schema (NOTIFY is database-wide); identifiers are at most 63 bytes.
+        self.channel = "responses_gateway_" + hashlib.sha256(schema.encode()).hexdigest()[:16]
+        self._listen_conn: asyncpg.Connection | None = None
         c = f'"{schema}".conversations'
         ci = f'"{schema}".conversation_items'
         self._conv_items_by_id_sql = (
@@ -261,6 +308,9 @@ class PostgresResponseStore(ResponseStore):
             )
 
     async def close(self) -> None:
+        conn, self._listen_conn = self._listen_conn, None
+        if conn is not None and not conn.is_closed():
+            await conn.close()
         pool, self._pool = self._pool, None
         if pool is not None:
             await pool.close()
@@ -311,11 +361,13 @@ class PostgresResponseStore(ResponseStore):
             if not _count(await conn.execute(self._delete_sql, response_id, owner)):
                 return False
             await conn.execute(self._delete_items_sql, response_id)
+            await conn.execute(self._delete_events_sql, response_id)
             return True
 
     async def sweep(self, older_than: int) -> int:
         async with self.pool.acquire() as conn, conn.transaction():
             await conn.execute(self._sweep_items_sql, older_than)
+            await conn.execute(self._sweep_events_sql, older_than)
             deleted = _count(await conn.execute(self._sweep_sql, older_than))
             # Conversations first (their row locks wait for appends in flight, which bump updated_at), then
             # the items of exactly those.
@@ -323,6 +375,96 @@ class PostgresResponseStore(ResponseStore):
             if ids:
                 await conn.execute(self._delete_conv_items_sql, ids)
             return deleted + len(ids)
+
+    # ------------------------------------------------------------------ background responses
+    # Notifications go through NOTIFY on self.channel (payload "<response id> <last seq>" or "<id> cancel"),
+    # sent in the writing transaction, so they arrive after the commit, at every replica (this one included).
+
+    async def create_background(self, record: StoredResponse, lease_owner: str, lease_expires_at: float) -> None:
+        items = [(item_id, record.id, item, record.owner) for item_id, item in record_items(record)]
+        async with self.pool.acquire() as conn, conn.transaction():
+            await conn.execute(self._create_bg_sql, record.id, record.created_at, record.previous_response_id,
+                               record.status, record.response, record.input_items, record.tool_context,
+                               record.updated_at, record.owner, lease_owner, _ms(lease_expires_at))
+            if items:
+                await conn.executemany(self._put_item_sql, items)
+
+    async def append_events(self, response_id: str, events: list[dict[str, Any]]) -> None:
+        if not events:
+            return
+        rows = [(response_id, int(e["sequence_number"]), e) for e in events]
+        async with self.pool.acquire() as conn, conn.transaction():
+            await conn.executemany(self._append_event_sql, rows)
+            await conn.execute("SELECT pg_notify($1, $2)", self.channel, f"{response_id} {rows[-1][1]}")
+
+    async def get_events(self, response_id: str, after: int = -1, owner: str | None = None,
+                         limit: int = 1000) -> list[dict[str, Any]]:
+        return [row["event"] for row in await self.pool.fetch(self._get_events_sql, response_id, after, owner, limit)]
+
+    async def set_status(self, response_id: str, status: str, response: dict[str, Any], *,
+                         event: dict[str, Any] | None = None, lease_owner: str | None = None,
+                         expired_before: float | None = None) -> bool:
+        t = f'"{self.schema}".responses'
+        where = f"id = $1 AND background AND {_RUNNING}"
+        params: list[Any] = [response_id, status, response, int(time.time())]
+        # A lease given up on is nobody's: a replica that was only stalled stops its run at its next renewal.
+        clear = ", lease_owner = NULL" if expired_before is not None else ""
+        if lease_owner is not None:
+            params.append(lease_owner)
+            where += f" AND lease_owner = ${len(params)}"
+        if expired_before is not None:
+            params.append(_ms(expired_before))
+            where += f" AND lease_expires_at < ${len(params)}"
+        async with self.pool.acquire() as conn, conn.transaction():
+            if not _count(await conn.execute(
+                    f"UPDATE {t} SET status = $2, response = $3, updated_at = $4{clear} WHERE {where}", *params)):
+                return False
+            if event is not None:
+                seq = int(await conn.fetchval(self._next_seq_sql, response_id))
+                event["sequence_number"] = seq
+                await conn.execute(self._append_event_sql, response_id, seq, event)
+                await conn.execute("SELECT pg_notify($1, $2)", self.channel, f"{response_id} {seq}")
+            return True
+
+    async def renew_leases(self, lease_owner: str, response_ids: list[str], lease_expires_at: float) -> list[str]:
+        ids = list(dict.fromkeys(response_ids))
+        if not ids:
+            return []
+        async with self.pool.acquire() as conn, conn.transaction():
+            await conn.execute(self._renew_sql, ids, lease_owner, _ms(lease_expires_at))
+            found = {row["id"]: (row["lease_owner"], row["cancel_requested"])
+                     for row in await conn.fetch(self._lease_state_sql, ids)}
+        return [i for i in ids if i not in found or found[i][1] or found[i][0] != lease_owner]
+
+    async def request_cancel(self, response_id: str, owner: str | None = None) -> StoredResponse | None:
+        async with self.pool.acquire() as conn, conn.transaction():
+            row = await conn.fetchrow(self._cancel_sql, response_id, owner, int(time.time()))
+            if row is not None:
+                await conn.execute("SELECT pg_notify($1, $2)", self.channel, f"{response_id} cancel")
+            else:
+                row = await conn.fetchrow(self._get_sql, response_id, owner)
+        return None if row is None else _row_to_record(row)
+
+    async def expired_leases(self, now: float, limit: int = 100) -> list[str]:
+        return [row["id"] for row in await self.pool.fetch(self._expired_sql, _ms(now), limit)]
+
+    async def listen(self) -> None:
+        conn = self._listen_conn
+        if conn is not None and not conn.is_closed():
+            return
+        self._listen_conn = None
+        # A connection of its own: a pooled one would be handed to other work (and LISTEN lost on release).
+        conn = await asyncpg.connect(self.dsn)
+        try:
+            await conn.add_listener(self.channel, self._on_notification)
+        except BaseException:
+            await conn.close()
+            raise
+        self._listen_conn = conn
+
+    def _on_notification(self, conn: object, pid: int, channel: str, payload: str) -> None:
+        response_id, _, what = payload.partition(" ")
+        self._notify_local(response_id, what)
 
     # ------------------------------------------------------------------ conversations
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -86,6 +87,22 @@ MIGRATIONS: list[tuple[str, ...]] = [
         "ON conversation_items (conversation_id, position)",
         "CREATE INDEX IF NOT EXISTS conversation_items_item ON conversation_items (item_id)",
     ),
+    (
+        # Background responses (gateway.server.background): the lease of the replica running one (unix ms),
+        # a cancel flag, and its stream events by sequence number (they go with their response).
+        "ALTER TABLE responses ADD COLUMN background BOOLEAN NOT NULL DEFAULT 0",
+        "ALTER TABLE responses ADD COLUMN lease_owner TEXT",
+        "ALTER TABLE responses ADD COLUMN lease_expires_at INTEGER",
+        "ALTER TABLE responses ADD COLUMN cancel_requested BOOLEAN NOT NULL DEFAULT 0",
+        "CREATE INDEX IF NOT EXISTS responses_running ON responses (lease_expires_at) "
+        "WHERE status IN ('queued', 'in_progress')",
+        """CREATE TABLE IF NOT EXISTS response_events (
+            response_id TEXT NOT NULL,
+            sequence_number INTEGER NOT NULL,
+            event TEXT NOT NULL,
+            PRIMARY KEY (response_id, sequence_number)
+        ) WITHOUT ROWID""",
+    ),
 ]
 
 # "(? IS NULL OR owner = ?)", bound to (owner, owner): no owner given means single-tenant, no filter.
@@ -94,6 +111,7 @@ _CONV_COLUMNS = "id, created_at, updated_at, metadata, owner"
 _MAX_POSITION = 2**62
 
 _COLUMNS = "id, created_at, previous_response_id, status, response, input_items, tool_context, updated_at, owner"
+_RUNNING = "status IN ('queued', 'in_progress')"
 
 _CHAIN_SQL = f"""
 WITH RECURSIVE chain(depth, {_COLUMNS}) AS (
@@ -111,6 +129,11 @@ SELECT {_COLUMNS} FROM chain ORDER BY depth
 def _dumps(value: Any) -> str:
     # TEXT rather than BLOB so the file stays inspectable with the sqlite3 shell and json_extract().
     return orjson.dumps(value).decode()
+
+
+def _ms(seconds: float) -> int:
+    """Lease times are stored as unix milliseconds."""
+    return int(seconds * 1000)
 
 
 def _row_to_record(row: tuple[Any, ...]) -> StoredResponse:
@@ -257,7 +280,9 @@ class SqliteResponseStore(ResponseStore):
                     "ON CONFLICT (id) DO UPDATE SET created_at = excluded.created_at, "
                     "previous_response_id = excluded.previous_response_id, status = excluded.status, "
                     "response = excluded.response, input_items = excluded.input_items, "
-                    "tool_context = excluded.tool_context, updated_at = excluded.updated_at, owner = excluded.owner",
+                    "tool_context = excluded.tool_context, updated_at = excluded.updated_at, owner = excluded.owner "
+                    # A background response's final status is final: a late write of its run is dropped.
+                    "WHERE NOT responses.background OR responses.status IN ('queued', 'in_progress')",
                     params,
                 )
                 # Another owner's item with the same id is never replaced (nor taken over).
@@ -315,6 +340,7 @@ class SqliteResponseStore(ResponseStore):
                                  (response_id, owner, owner)).rowcount
             if deleted:
                 db.execute("DELETE FROM response_items WHERE response_id = ?", (response_id,))
+                db.execute("DELETE FROM response_events WHERE response_id = ?", (response_id,))
             return deleted
 
         return await self._run(lambda db: _transaction(db, run)) > 0
@@ -323,12 +349,120 @@ class SqliteResponseStore(ResponseStore):
         def run(db: sqlite3.Connection) -> int:
             db.execute("DELETE FROM response_items WHERE response_id IN "
                        "(SELECT id FROM responses WHERE created_at < ?)", (older_than,))
+            db.execute("DELETE FROM response_events WHERE response_id IN "
+                       "(SELECT id FROM responses WHERE created_at < ?)", (older_than,))
             deleted = db.execute("DELETE FROM responses WHERE created_at < ?", (older_than,)).rowcount
             db.execute("DELETE FROM conversation_items WHERE conversation_id IN "
                        "(SELECT id FROM conversations WHERE updated_at < ?)", (older_than,))
             return deleted + db.execute("DELETE FROM conversations WHERE updated_at < ?", (older_than,)).rowcount
 
         return await self._run(lambda db: _transaction(db, run))
+
+    # ------------------------------------------------------------------ background responses
+    # Other processes sharing the file get no notification: their followers and heartbeats poll.
+
+    async def create_background(self, record: StoredResponse, lease_owner: str, lease_expires_at: float) -> None:
+        params = (record.id, record.created_at, record.previous_response_id, record.status, _dumps(record.response),
+                  _dumps(record.input_items), None if record.tool_context is None else _dumps(record.tool_context),
+                  record.updated_at, record.owner, lease_owner, _ms(lease_expires_at))
+        items = [(item_id, record.id, _dumps(item), record.owner) for item_id, item in record_items(record)]
+
+        def run(db: sqlite3.Connection) -> None:
+            db.execute(f"INSERT INTO responses ({_COLUMNS}, background, lease_owner, lease_expires_at) "
+                       "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 1, ?, ?)", params)
+            db.executemany(
+                "INSERT INTO response_items (item_id, response_id, item, owner) VALUES (?, ?, ?, ?) "
+                "ON CONFLICT (item_id) DO UPDATE SET response_id = excluded.response_id, item = excluded.item "
+                "WHERE response_items.owner IS excluded.owner", items)
+
+        await self._run(lambda db: _transaction(db, run))
+
+    async def append_events(self, response_id: str, events: list[dict[str, Any]]) -> None:
+        if not events:
+            return
+        rows = [(response_id, int(e["sequence_number"]), _dumps(e)) for e in events]
+        await self._run(lambda db: _transaction(db, lambda db: db.executemany(
+            "INSERT INTO response_events (response_id, sequence_number, event) VALUES (?, ?, ?) "
+            "ON CONFLICT (response_id, sequence_number) DO NOTHING", rows)))
+        self._notify_local(response_id, str(rows[-1][1]))
+
+    async def get_events(self, response_id: str, after: int = -1, owner: str | None = None,
+                         limit: int = 1000) -> list[dict[str, Any]]:
+        rows = await self._run(lambda db: db.execute(
+            "SELECT e.event FROM response_events e WHERE e.response_id = ? AND e.sequence_number > ? AND EXISTS "
+            "(SELECT 1 FROM responses r WHERE r.id = e.response_id AND (? IS NULL OR r.owner = ?)) "
+            "ORDER BY e.sequence_number LIMIT ?", (response_id, after, owner, owner, limit)).fetchall())
+        return [orjson.loads(row[0]) for row in rows]
+
+    async def set_status(self, response_id: str, status: str, response: dict[str, Any], *,
+                         event: dict[str, Any] | None = None, lease_owner: str | None = None,
+                         expired_before: float | None = None) -> bool:
+        where = f"id = ? AND background AND {_RUNNING}"
+        params: list[Any] = [status, _dumps(response), int(time.time()), response_id]
+        # A lease given up on is nobody's: a replica that was only stalled stops its run at its next renewal.
+        clear = ", lease_owner = NULL" if expired_before is not None else ""
+        if lease_owner is not None:
+            where += " AND lease_owner = ?"
+            params.append(lease_owner)
+        if expired_before is not None:
+            where += " AND lease_expires_at < ?"
+            params.append(_ms(expired_before))
+
+        def run(db: sqlite3.Connection) -> int | None:
+            if not db.execute(f"UPDATE responses SET status = ?, response = ?, updated_at = ?{clear} WHERE {where}",
+                              params).rowcount:
+                return None
+            if event is None:
+                return -1
+            seq = db.execute("SELECT COALESCE(MAX(sequence_number), -1) + 1 FROM response_events "
+                             "WHERE response_id = ?", (response_id,)).fetchone()[0]
+            event["sequence_number"] = int(seq)
+            db.execute("INSERT INTO response_events (response_id, sequence_number, event) VALUES (?, ?, ?)",
+                       (response_id, int(seq), _dumps(event)))
+            return int(seq)
+
+        seq = await self._run(lambda db: _transaction(db, run))
+        if seq is not None and seq >= 0:
+            self._notify_local(response_id, str(seq))
+        return seq is not None
+
+    async def renew_leases(self, lease_owner: str, response_ids: list[str], lease_expires_at: float) -> list[str]:
+        ids = list(dict.fromkeys(response_ids))
+        if not ids:
+            return []
+        marks = ", ".join("?" * len(ids))
+
+        def run(db: sqlite3.Connection) -> list[str]:
+            db.execute(f"UPDATE responses SET lease_expires_at = ? WHERE id IN ({marks}) AND lease_owner = ? "
+                       f"AND {_RUNNING}", (_ms(lease_expires_at), *ids, lease_owner))
+            found = {row[0]: (row[1], bool(row[2])) for row in db.execute(
+                f"SELECT id, lease_owner, cancel_requested FROM responses WHERE id IN ({marks})", ids)}
+            return [i for i in ids if i not in found or found[i][1] or found[i][0] != lease_owner]
+
+        return await self._run(lambda db: _transaction(db, run))
+
+    async def request_cancel(self, response_id: str, owner: str | None = None) -> StoredResponse | None:
+        def run(db: sqlite3.Connection) -> tuple[tuple[Any, ...] | None, bool]:
+            row = db.execute(
+                "UPDATE responses SET status = 'cancelled', cancel_requested = 1, updated_at = ?, "
+                "response = json_set(response, '$.status', 'cancelled') "
+                f"WHERE id = ? AND {_OWNED} AND background AND {_RUNNING} RETURNING {_COLUMNS}",
+                (int(time.time()), response_id, owner, owner)).fetchone()
+            if row is not None:
+                return row, True
+            return db.execute(f"SELECT {_COLUMNS} FROM responses WHERE id = ? AND {_OWNED}",
+                              (response_id, owner, owner)).fetchone(), False
+
+        row, changed = await self._run(lambda db: _transaction(db, run))
+        if changed:
+            self._notify_local(response_id, "cancel")
+        return None if row is None else _row_to_record(row)
+
+    async def expired_leases(self, now: float, limit: int = 100) -> list[str]:
+        rows = await self._run(lambda db: db.execute(
+            f"SELECT id FROM responses WHERE {_RUNNING} AND background AND lease_expires_at < ? LIMIT ?",
+            (_ms(now), limit)).fetchall())
+        return [row[0] for row in rows]
 
     # ------------------------------------------------------------------ conversations
 
