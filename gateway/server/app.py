@@ -39,6 +39,7 @@ from gateway.server.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
 from gateway.server.observe import Observer, ensure_logging
 from gateway.server.record import RequestRecord
 from gateway.server.responses import ResponsesHandler
+from gateway.server.responses_http import create_response as create_http_response
 from gateway.server.shutdown import Drain
 from gateway.server.tool_loop import LazyMcpHub, McpHub
 from gateway.server.websocket import ResponsesSocket
@@ -181,7 +182,7 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
         handler: ResponsesHandler = services["responses"]
         # A non-streamed answer is cancelled (its upstream request closed) if the client leaves while it waits;
         # a streamed one watches the connection itself (SseResponse).
-        return await cancel_on_disconnect(request, lambda req: handler.create(req, record),
+        return await cancel_on_disconnect(request, lambda req: create_http_response(handler, req, record),
                                           when=lambda: not record.stream, on_disconnect=lambda: _left(record))
 
     def _store() -> ResponseStore:

@@ -1,4 +1,6 @@
-"""POST /v1/responses: resolve the request once, rewrite it, forward it, and pump the answer back."""
+"""The producer of a response (``ResponsesHandler.respond``): resolve the request once, rewrite it, forward it,
+and pump the answer back as client frames. Transport-independent — no starlette here: the HTTP handler
+(gateway.server.responses_http), the WebSocket transport and background runs consume it."""
 
 from __future__ import annotations
 
@@ -9,8 +11,6 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 import structlog
-from starlette.requests import Request
-from starlette.responses import Response
 
 from gateway.config import Settings
 from gateway.enforce.constrain import ContentAsCall
@@ -19,10 +19,7 @@ from gateway.enforce.runner import Enforcer, Guard, Plan, StepError, Violation, 
 from gateway.errors import GatewayError, InvalidRequest, NotFound
 from gateway.protocol.conversations import conversation_ref
 from gateway.protocol.ids import new_id
-from gateway.protocol.request import parse_request_body
-from gateway.server.auth import request_owner
 from gateway.server.conversations import append_turn, conversation_history
-from gateway.server.http import OrjsonResponse, SseResponse, read_body
 from gateway.server.record import RequestRecord
 from gateway.server.shutdown import Drain, ShuttingDown
 from gateway.server.tool_loop import McpHub, ToolLoop, approvals_in
@@ -45,7 +42,7 @@ Persist = Callable[[dict[str, Any]], Awaitable[None]]
 ZERO_USAGE = {"input_tokens": 0, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 0,
               "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 0}
 
-__all__ = ["Answered", "Outcome", "ResponsesHandler", "Streamed", "Turn", "http_response", "public_input_items"]
+__all__ = ["Answered", "Outcome", "ResponsesHandler", "Streamed", "Turn", "public_input_items"]
 
 
 def public_input_items(body: dict[str, Any]) -> list[dict[str, Any]]:
@@ -84,8 +81,6 @@ class ResponsesHandler:
     settings: Settings
     upstream: UpstreamClient
     store: ResponseStore | None
-    # Hook points for tool_choice enforcement (gateway.enforce); None: forward as is.
-    strategy: Callable[..., Awaitable[Response] | None] | None = None
     # Graceful shutdown: ends streams still running after the drain period (gateway.server.shutdown).
     drain: Drain | None = None
     # Remote MCP servers the gateway runs tools on (gateway.mcp); None: mcp tools are refused.
@@ -94,14 +89,6 @@ class ResponsesHandler:
     sealer: ReasoningSealer | None = None
     # Background mode (gateway.server.background); None (no store): background=true is refused.
     background: BackgroundRuns | None = None
-
-    async def create(self, request: Request, record: RequestRecord) -> Response:
-        """``POST /v1/responses`` over HTTP: the body read and parsed, the outcome as a starlette response."""
-        raw = await read_body(request, self.settings.max_body_bytes)
-        record.request_bytes = len(raw)
-        body = parse_request_body(raw)
-        outcome = await self.respond(body, dict(request.headers), request_owner(request.scope), record)
-        return http_response(outcome, record)
 
     async def respond(self, body: dict[str, Any], headers: Mapping[str, str], owner: str | None,
                       record: RequestRecord, turn: Turn | None = None, *,
@@ -591,17 +578,6 @@ class Turn:
     local_history: Callable[[str], list[dict[str, Any]] | None]
     history: list[dict[str, Any]] = field(default_factory=list)
     input_items: list[dict[str, Any]] = field(default_factory=list)
-
-
-def http_response(outcome: Outcome, record: RequestRecord) -> Response:
-    headers = {"x-request-id": record.request_id}
-    if isinstance(outcome, Streamed):
-        return SseResponse(outcome.frames, headers=headers, on_disconnect=lambda: _mark_disconnect(record))
-    return OrjsonResponse(outcome.payload, status_code=outcome.status, headers=headers)
-
-
-def _mark_disconnect(record: RequestRecord) -> None:
-    record.disconnected = True
 
 
 def _count_calls(record: RequestRecord, final: dict[str, Any]) -> None:
