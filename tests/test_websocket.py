@@ -489,3 +489,27 @@ def test_sigterm_lets_the_response_in_flight_finish_then_closes_with_1001_and_ex
     lines = [json.loads(line) for line in stderr.splitlines() if line.startswith("{")]
     [access] = [line for line in lines if line.get("event") == "request" and line.get("method") == "WEBSOCKET"]
     assert access["response_status"] == "incomplete" and access["status"] == 200
+
+
+def test_a_stored_response_is_visible_over_the_websocket_to_its_owner_only(tmp_path: Any) -> None:
+    from gateway.store import SqliteResponseStore
+
+    upstream = ScriptedUpstream(echo)
+    with serve_in_thread(upstream.app()) as (up_url, _), \
+            running_gateway(Settings(upstream_url=up_url, store="none", tool_choice_enforcement="off"),
+                            store=SqliteResponseStore(tmp_path / "r.db"), api_keys=("k1", "k2")) as url:
+        with ws(url, additional_headers={"Authorization": "Bearer k1"}) as first:  # stored (store defaults to true)
+            first.send(json.dumps({"type": "response.create", "model": "tiny", "input": "hi"}))
+            stored = read_response(first)[-1]["response"]
+        turn = json.dumps({"type": "response.create", "model": "tiny", "input": "again",
+                           "previous_response_id": stored["id"]})
+        with ws(url, additional_headers={"Authorization": "Bearer k2"}) as other:
+            other.send(turn)
+            refused = read_response(other)
+        with ws(url, additional_headers={"Authorization": "Bearer k1"}) as owner:
+            owner.send(turn)
+            chained = read_response(owner)
+    assert refused[-1]["type"] == "error" and refused[-1]["status"] == 400
+    assert refused[-1]["error"]["code"] == "previous_response_not_found"  # as for an id that does not exist
+    assert chained[-1]["type"] == "response.completed"
+    assert chained[-1]["response"]["previous_response_id"] == stored["id"]
