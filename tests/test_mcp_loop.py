@@ -262,3 +262,22 @@ def test_parallel_tool_calls_false_runs_one_call_per_round() -> None:
     assert hub.calls == [("calc", "add", {"a": 1, "b": 2}), ("calc", "add", {"a": 3, "b": 4})]
     assert [i["type"] for i in body["output"]] == ["mcp_list_tools", "mcp_call", "mcp_call", "message"]
     assert [i["output"] for i in body["output"][1:3]] == ["3", "7"]
+
+
+def test_an_approved_call_goes_upstream_once_across_later_rounds(tmp_path: Path) -> None:
+    hub = FakeHub()
+    up = Upstream([call_round(("add", {"a": 1, "b": 1})), call_round(("echo", {"text": "e"})), text_round("ok")])
+    tool = {**CALC, "require_approval": {"always": {"tool_names": ["add"]}, "never": {"tool_names": ["echo"]}}}
+    with running_gateway(transport=httpx.MockTransport(up), mcp=hub,
+                         store=SqliteResponseStore(tmp_path / "r.db")) as url:
+        r1 = post(url, {"model": "tiny", "input": "go", "tools": [tool]}).json()
+        request = r1["output"][-1]
+        assert request["type"] == "mcp_approval_request"
+        r2 = post(url, {"model": "tiny", "previous_response_id": r1["id"], "tools": [tool], "input": [
+            {"type": "mcp_approval_response", "approval_request_id": request["id"], "approve": True}]}).json()
+    assert [c[1] for c in hub.calls] == ["add", "echo"]
+    assert [i["type"] for i in r2["output"]] == ["mcp_call", "mcp_call", "message"]
+    # round 2 of the second response: the approved call and the echo call, each exactly once
+    third = up.bodies[2]["input"]
+    calls = [i["call_id"] for i in third if i.get("type") == "function_call"]
+    assert len(calls) == len(set(calls)) == 2

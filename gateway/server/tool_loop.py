@@ -251,7 +251,8 @@ class ToolLoop:
                     yield chunk
                 if translator.finished:
                     return
-            round_history += translator.round_items()
+            # This round's items (the approved calls run before it share its number: not twice).
+            round_history += [i for i in translator.round_items() if not any(i is r for r in round_history)]
             rounds_run += 1
             if withhold or translator.client_calls_in_round or translator.approval_requested:
                 frames = translator.end()
