@@ -281,3 +281,22 @@ def test_an_approved_call_goes_upstream_once_across_later_rounds(tmp_path: Path)
     third = up.bodies[2]["input"]
     calls = [i["call_id"] for i in third if i.get("type") == "function_call"]
     assert len(calls) == len(set(calls)) == 2
+
+
+def test_an_approval_resent_with_the_full_history_does_not_run_the_call_again() -> None:
+    """store: false: the client sends the whole conversation back each turn, old approvals included."""
+    hub = FakeHub()
+    up = Upstream([call_round(("add", {"a": 2, "b": 2})), text_round("four"), text_round("bye")])
+    needs = {**CALC, "require_approval": "always"}
+    with running_gateway(transport=httpx.MockTransport(up), mcp=hub) as url:
+        history: list[Any] = [{"type": "message", "role": "user", "content": "add"}]
+        r1 = post(url, {"model": "tiny", "store": False, "input": history, "tools": [needs]}).json()
+        history += r1["output"]
+        history.append({"type": "mcp_approval_response", "approval_request_id": r1["output"][-1]["id"],
+                        "approve": True})
+        r2 = post(url, {"model": "tiny", "store": False, "input": history, "tools": [needs]}).json()
+        history += r2["output"] + [{"type": "message", "role": "user", "content": "thanks"}]
+        r3 = post(url, {"model": "tiny", "store": False, "input": history, "tools": [needs]}).json()
+    assert hub.calls == [("calc", "add", {"a": 2, "b": 2})]  # once, on the turn that answered the request
+    assert r2["output"][0]["type"] == "mcp_call" and r3["status"] == "completed"
+    assert [i["type"] for i in r3["output"]] == ["message"]

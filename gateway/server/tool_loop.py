@@ -116,6 +116,10 @@ def approvals_in(items: Sequence[Any], history: Sequence[Any]) -> list[tuple[dic
     new input; an answer to a request the conversation does not hold is the client's mistake (400)."""
     requests = {i.get("id"): i for i in [*history, *items]
                 if isinstance(i, dict) and i.get("type") == "mcp_approval_request"}
+    # A client resending the whole history (store: false) resends answers already acted on: the mcp_call that
+    # carries the request's id is there too, and the call must not run again.
+    done = {i.get("approval_request_id") for i in [*history, *items]
+            if isinstance(i, dict) and i.get("type") == "mcp_call" and i.get("approval_request_id")}
     out = []
     for idx, item in enumerate(items):
         if not isinstance(item, dict) or item.get("type") != "mcp_approval_response":
@@ -128,7 +132,8 @@ def approvals_in(items: Sequence[Any], history: Sequence[Any]) -> list[tuple[dic
         if request is None:
             raise InvalidRequest(f"No mcp_approval_request with id '{rid}' in this conversation.",
                                  param=f"input[{idx}].approval_request_id", code="invalid_value")
-        out.append((item, request, idx))
+        if rid not in done:
+            out.append((item, request, idx))
     return out
 
 
