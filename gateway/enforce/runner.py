@@ -178,7 +178,11 @@ class Enforcer:
         return args_request(self.chat_base, info, stream=stream, max_tokens=self.max_tokens)
 
     async def open_args_stream(self, info: ToolInfo) -> UpstreamResponse:
-        up = await self.upstream.send_json(CHAT_PATH, self.args_body(info, stream=True), self.headers, stream=True,
+        return await self._open_step(self.args_body(info, stream=True))
+
+    async def _open_step(self, body: Mapping[str, Any]) -> UpstreamResponse:
+        """A streamed constrained step; an HTTP error before its stream is a StepError (the stream is closed)."""
+        up = await self.upstream.send_json(CHAT_PATH, body, self.headers, stream=True,
                                            extra_headers=self.extra_headers)
         if not up.ok:
             try:
@@ -194,16 +198,7 @@ class Enforcer:
         base = self.chat_base
         if assistant_text:
             base = {**base, "messages": [*base["messages"], {"role": "assistant", "content": assistant_text}]}
-        body = args_request(base, info, stream=True, max_tokens=self.max_tokens)
-        up = await self.upstream.send_json(CHAT_PATH, body, self.headers, stream=True,
-                                           extra_headers=self.extra_headers)
-        if not up.ok:
-            try:
-                err = await up.error_body()
-            finally:
-                await up.aclose()
-            raise StepError(up.status_code, err)
-        return up
+        return await self._open_step(args_request(base, info, stream=True, max_tokens=self.max_tokens))
 
     def step_unavailable(self, status: int, step: str, info: ToolInfo | None, started: float | None = None) -> None:
         """A constrained step answered an HTTP error; the request falls back to ``validate``."""

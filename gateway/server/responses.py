@@ -337,13 +337,7 @@ class ResponsesHandler:
         record.response_status = "completed"
         if persist is not None:
             await persist(final)
-        if not record.stream:
-            return Answered(final)
-
-        async def once() -> AsyncIterator[bytes]:
-            yield b"".join(frames)
-
-        return Streamed(once())
+        return _made_here(frames, final, record)
 
     def _converter(self, model: str | None) -> ChatToResponsesEvents:
         return ChatToResponsesEvents(model=model, max_unnamed_bytes=self.settings.max_unnamed_call_bytes)
@@ -380,13 +374,7 @@ class ResponsesHandler:
         record.response_status = "failed"
         if persist is not None:
             await persist(final)
-        if not record.stream:
-            return Answered(final)
-
-        async def once() -> AsyncIterator[bytes]:
-            yield b"".join(frames)
-
-        return Streamed(once())
+        return _made_here(frames, final, record)
 
     def _stream(self, batches: AsyncIterator[list[Event]], up: UpstreamResponse, state: RequestState,
                 record: RequestRecord, persist: Persist | None, guard: Guard | None) -> Outcome:
@@ -578,6 +566,17 @@ class Turn:
     local_history: Callable[[str], list[dict[str, Any]] | None]
     history: list[dict[str, Any]] = field(default_factory=list)
     input_items: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _made_here(frames: list[bytes], final: dict[str, Any], record: RequestRecord) -> Outcome:
+    """A response the gateway made without an upstream stream: its frames at once, or the body."""
+    if not record.stream:
+        return Answered(final)
+
+    async def once() -> AsyncIterator[bytes]:
+        yield b"".join(frames)
+
+    return Streamed(once())
 
 
 def _count_calls(record: RequestRecord, final: dict[str, Any]) -> None:
