@@ -69,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
                                  store=f"sqlite:///{os.path.join(folder, 'responses.db')}",
                                  mcp_servers_file=servers_file, **overrides)
         print(f"responses-gateway demo: http://{settings.host}:{settings.port}/v1 (replaying recorded vLLM "
-              f"answers; store in {folder})", file=sys.stderr)
+              f"answers; store in {folder}; MCP tools: {{\"type\": \"mcp\", \"server_label\": \"demo\"}})",
+              file=sys.stderr)
         return run(settings, demo=True)
     return run(load_settings(args))
