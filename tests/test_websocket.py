@@ -513,3 +513,17 @@ def test_a_stored_response_is_visible_over_the_websocket_to_its_owner_only(tmp_p
     assert refused[-1]["error"]["code"] == "previous_response_not_found"  # as for an id that does not exist
     assert chained[-1]["type"] == "response.completed"
     assert chained[-1]["response"]["previous_response_id"] == stored["id"]
+
+
+def test_events_carry_the_stream_id_their_response_create_gave() -> None:
+    with gateway_with(say("ok")) as (url, _upstream), ws(url) as conn:
+        conn.send(json.dumps({"type": "response.create", "model": "tiny", "input": "hi", "stream_id": "lane-7"}))
+        events = read_response(conn)
+        conn.send(json.dumps({"type": "response.create", "model": "tiny", "input": "hi"}))
+        plain = read_response(conn)
+        conn.send(json.dumps({"type": "response.create", "model": "tiny", "input": 5, "stream_id": "lane-8"}))
+        error = read_response(conn)
+    assert events[-1]["type"] == "response.completed"
+    assert {e.get("stream_id") for e in events} == {"lane-7"}
+    assert all("stream_id" not in e for e in plain)
+    assert error[-1]["type"] == "error" and error[-1]["stream_id"] == "lane-8"

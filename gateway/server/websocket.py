@@ -77,10 +77,19 @@ class ConnectionCache:
         return len(self._items)
 
 
-def _error_frame(status: int, error: dict[str, Any]) -> str:
+def _error_frame(status: int, error: dict[str, Any], stream_id: str | None = None) -> str:
     err = {"type": error.get("type") or ("server_error" if status >= 500 else "invalid_request_error"),
            "code": error.get("code"), "message": error.get("message") or "", "param": error.get("param")}
-    return orjson.dumps({"type": "error", "status": status, "error": err}).decode()
+    frame: dict[str, Any] = {"type": "error", "status": status, "error": err}
+    if stream_id is not None:
+        frame["stream_id"] = stream_id
+    return orjson.dumps(frame).decode()
+
+
+def _with_lane(data: bytes, lane: bytes | None) -> bytes:
+    """The event with the ``stream_id`` its ``response.create`` gave (OpenAI's WebSocket lane), spliced in
+    rather than re-serialized: every event is a JSON object."""
+    return data if lane is None else data[:-1] + b',"stream_id":' + lane + b"}"
 
 
 def _ws_error(exc: GatewayError) -> tuple[int, dict[str, Any]]:
@@ -255,6 +264,8 @@ class _Connection:
             self.endpoint.observer.end(record)
 
     async def _respond(self, message: dict[str, Any], record: RequestRecord) -> None:
+        sid = message.get("stream_id") if isinstance(message.get("stream_id"), str) else None
+        lane = orjson.dumps(sid) if sid is not None else None
         body = {k: v for k, v in message.items() if k not in ("type", "stream_id")}
         body["stream"] = True  # every response streams here (Codex sends stream: true anyway)
         try:
@@ -268,19 +279,19 @@ class _Connection:
         except GatewayError as exc:
             record.status, error = _ws_error(exc)
             record.error_code = error.get("code")
-            await self._send(_error_frame(record.status, error))
+            await self._send(_error_frame(record.status, error, sid))
             return
         except Exception as exc:  # never a dropped connection for one bad request: the HTTP path's 500, as a frame
             log.error("unhandled_error", request_id=record.request_id, route="/v1/responses (websocket)",
                       error=type(exc).__name__)
             record.status, record.error_code = 500, "internal_error"
             await self._send(_error_frame(500, {"type": "server_error", "code": "internal_error",
-                                                "message": "The gateway failed to handle this request."}))
+                                                "message": "The gateway failed to handle this request."}, sid))
             return
         if isinstance(outcome, Answered):
             payload = outcome.payload if isinstance(outcome.payload, dict) else {}
             record.status = outcome.status
-            await self._send(_error_frame(outcome.status, payload.get("error") or {}))
+            await self._send(_error_frame(outcome.status, payload.get("error") or {}, sid))
             return
         record.status = 200
         final: dict[str, Any] | None = None
@@ -290,7 +301,7 @@ class _Connection:
                 if record.ttfb is None:
                     record.ttfb = time.perf_counter() - record.started
                 for etype, data in _events(chunk):
-                    await self._send(data.decode())
+                    await self._send(_with_lane(data, lane).decode())
                     record.response_bytes += len(data)
                     if etype in _TERMINALS:
                         final = _terminal(data) or final
