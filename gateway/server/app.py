@@ -124,6 +124,9 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
     if settings.api_keys_file and not auth.enabled:
         # An empty or unreadable-looking key file would silently turn auth off: refuse to start instead.
         raise ValueError(f"--api-keys-file {settings.api_keys_file} contains no keys")
+    if auth.enabled and not settings.owner_secret and settings.store != "none":
+        log.warning("owner_secret_derived", message="GATEWAY_OWNER_SECRET is unset: stored objects are owned through "
+                    "a hash keyed by the key set, so adding or removing a key hides what was stored before. Set it.")
     limiter = ConcurrencyLimiter(settings.max_concurrency)
     metrics.in_flight.set_function(lambda: limiter.active)
     services: dict[str, Any] = {}
