@@ -15,7 +15,6 @@ Each server runs as a subprocess on a free loopback port and is stopped at the e
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -28,6 +27,8 @@ from typing import IO, Any
 
 import httpx
 import pytest
+
+from tests.support import npm_packages
 
 ROOT = Path(__file__).resolve().parents[1]
 EVERYTHING = ROOT / "tests" / "mcp_everything"
@@ -113,22 +114,8 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _everything_installed() -> bool:
-    marker = EVERYTHING / "node_modules" / ".package-lock.json"  # npm writes it on every install
-    lock = EVERYTHING / "package-lock.json"
-    return EVERYTHING_MAIN.exists() and marker.exists() and marker.stat().st_mtime >= lock.stat().st_mtime
-
-
 def start_everything_server() -> McpTestServer:
-    node, npm = shutil.which("node"), shutil.which("npm")
-    if not node or not npm:
-        pytest.fail("node and npm are required for the MCP reference-server tests (they run in CI; install Node.js)")
-    if not _everything_installed():
-        proc = subprocess.run([npm, "ci", "--prefix", str(EVERYTHING), "--no-audit", "--no-fund"],
-                              capture_output=True, text=True, timeout=600, check=False)
-        if proc.returncode != 0:
-            pytest.fail(f"npm ci in {EVERYTHING} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
-                        f"{proc.stderr[-3000:]}")
+    node = npm_packages(EVERYTHING, "the MCP reference-server tests", expect=EVERYTHING_MAIN)
     port = _free_port()
     log = tempfile.NamedTemporaryFile(prefix="mcp-everything-", suffix=".log", delete=False)
     process = subprocess.Popen([node, str(EVERYTHING_MAIN), "streamableHttp"], cwd=EVERYTHING, stdout=log,

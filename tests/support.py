@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import shutil
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -88,3 +90,23 @@ def running_gateway(settings: Settings | None = None, *, transport: httpx.AsyncB
     settings = base.with_overrides(host="127.0.0.1", port=port, **overrides)
     with serve_in_thread(create_app(settings, transport=transport, store=store, mcp=mcp), port) as (url, _server):
         yield url
+
+
+def npm_packages(folder: Path, what: str, *, expect: Path | None = None) -> str:
+    """``folder``'s pinned npm packages, installed from its lock file (``npm ci``) when missing or stale; the path
+    of ``node``. Missing node/npm or a failed install fails the test (never a skip: these judges run in CI)."""
+    node, npm = shutil.which("node"), shutil.which("npm")
+    if not node or not npm:
+        import pytest
+
+        pytest.fail(f"node and npm are required for {what} (they run in CI; install Node.js)")
+    marker = folder / "node_modules" / ".package-lock.json"  # npm writes it on every install
+    fresh = marker.exists() and marker.stat().st_mtime >= (folder / "package-lock.json").stat().st_mtime
+    if not fresh or (expect is not None and not expect.exists()):
+        proc = subprocess.run([npm, "ci", "--prefix", str(folder), "--no-audit", "--no-fund"], capture_output=True,
+                              text=True, timeout=600, check=False)
+        if proc.returncode != 0:
+            import pytest
+
+            pytest.fail(f"npm ci in {folder} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return node

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -34,7 +33,7 @@ from starlette.routing import Route
 from structlog.testing import capture_logs
 
 from gateway.config import Settings
-from tests.support import running_gateway, serve_in_thread
+from tests.support import npm_packages, running_gateway, serve_in_thread
 from tests.vllm_frames import VllmStream, _dumps, args_deltas
 
 CODEX = Path(__file__).resolve().parent / "codex"
@@ -46,22 +45,10 @@ PATCH = "*** Begin Patch\n*** Add File: hello.txt\n+hi\n*** End Patch\n"
 # --- node, npm and the pinned Codex -------------------------------------------------------------------------------
 
 
-def _node_modules_fresh() -> bool:
-    marker = CODEX / "node_modules" / ".package-lock.json"  # npm writes it on every install
-    return marker.exists() and marker.stat().st_mtime >= (CODEX / "package-lock.json").stat().st_mtime
-
-
 @pytest.fixture(scope="session")
 def codex() -> str:
     """The pinned Codex CLI (``npm ci`` in tests/codex when node_modules is missing or stale); its version."""
-    node, npm = shutil.which("node"), shutil.which("npm")
-    if not node or not npm:
-        pytest.fail("node and npm are required for the Codex CLI test (it runs in CI; install Node.js)")
-    if not _node_modules_fresh():
-        proc = subprocess.run([npm, "ci", "--prefix", str(CODEX), "--no-audit", "--no-fund"], capture_output=True,
-                              text=True, timeout=600, check=False)
-        if proc.returncode != 0:
-            pytest.fail(f"npm ci in {CODEX} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    npm_packages(CODEX, "the Codex CLI test")
     proc = subprocess.run([str(CODEX_BIN), "--version"], capture_output=True, text=True, timeout=60, check=False)
     if proc.returncode != 0:  # e.g. no native binary for this platform in the optional packages
         pytest.fail(f"codex --version failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")

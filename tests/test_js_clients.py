@@ -27,7 +27,7 @@ import httpx
 import pytest
 
 from gateway.store import SqliteResponseStore
-from tests.support import running_gateway
+from tests.support import npm_packages, running_gateway
 from tests.vllm_frames import VllmStream, _dumps, args_deltas
 
 JS = Path(__file__).resolve().parent / "js"
@@ -50,22 +50,10 @@ PATCH = '*** Begin Patch\n*** Add File: hello.txt\n+Hello, "world"!\n+\ttabbed \
 # --- node, npm and the pinned packages ----------------------------------------------------------------------
 
 
-def _node_modules_fresh() -> bool:
-    marker = JS / "node_modules" / ".package-lock.json"  # npm writes it on every install
-    return marker.exists() and marker.stat().st_mtime >= (JS / "package-lock.json").stat().st_mtime
-
-
 @pytest.fixture(scope="session")
 def js_clients() -> Path:
     """``tests/js`` with its node_modules installed from the lock file (``npm ci``) when missing or stale."""
-    node, npm = shutil.which("node"), shutil.which("npm")
-    if not node or not npm:
-        pytest.fail("node and npm are required for the JavaScript client tests (they run in CI; install Node.js)")
-    if not _node_modules_fresh():
-        proc = subprocess.run([npm, "ci", "--prefix", str(JS), "--no-audit", "--no-fund"], capture_output=True,
-                              text=True, timeout=600, check=False)
-        if proc.returncode != 0:
-            pytest.fail(f"npm ci in {JS} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    npm_packages(JS, "the JavaScript client tests")
     return JS
 
 

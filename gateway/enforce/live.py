@@ -39,6 +39,7 @@ from gateway.protocol.ids import custom_call_item_id
 from gateway.protocol.sse import SseParser
 from gateway.translate.chat import Event
 from gateway.translate.tool_context import ResolvedToolContext, ToolInfo
+from gateway.upstream.chat import chat_chunk_events
 from gateway.upstream.client import UpstreamResponse
 
 if TYPE_CHECKING:
@@ -138,7 +139,7 @@ class GrammarTakeover:
             out: list[Event] = cont.start()
             async for raw in step.aiter_bytes():
                 for _event, data in parser.feed(raw):
-                    out += _chunk(cont, data)
+                    out += chat_chunk_events(data, cont)
                 if cont.finish_reason is not None and not checked:
                     checked = True  # before the call's done event reaches the client (and the metric)
                     self._check(cont, info, started)
@@ -146,7 +147,7 @@ class GrammarTakeover:
                     yield out
                     out = []
             for _event, data in parser.close():
-                out += _chunk(cont, data)
+                out += chat_chunk_events(data, cont)
             if cont.finish_reason is not None and not checked:
                 checked = True
                 self._check(cont, info, started)
@@ -172,15 +173,3 @@ class GrammarTakeover:
             outcome = "violated"
             reason = "the constrained input was cut at the token limit" if cut else verdict.reason
         self.enforcer.note("input", outcome, tool=info.upstream_name, reason=reason, started=started)
-
-
-def _chunk(cont: InputContinuation, data: str) -> list[Event]:
-    if data.strip() == "[DONE]":
-        return cont.done()
-    try:
-        chunk = orjson.loads(data)
-    except orjson.JSONDecodeError:
-        cont.finished = True
-        return [("error", '{"type":"error","code":"upstream_malformed_event","message":"The upstream sent a chunk '
-                          'that is not valid JSON."}')]
-    return cont.feed(chunk) if isinstance(chunk, dict) else []

@@ -33,7 +33,7 @@ from gateway.server.auth import ApiKeyAuth, GatewayAuthMiddleware, request_owner
 from gateway.server.background import BackgroundRuns
 from gateway.server.conversations import ConversationsApi
 from gateway.server.health import Readiness
-from gateway.server.http import OrjsonResponse, SseResponse, cancel_on_disconnect, error_response
+from gateway.server.http import OrjsonResponse, SseResponse, cancel_on_disconnect, error_response, list_query
 from gateway.server.limits import ConcurrencyLimiter, Slot, limited_stream
 from gateway.server.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
 from gateway.server.observe import Observer, ensure_logging
@@ -366,15 +366,7 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
 
 def paginate(items: list[dict[str, Any]], query: Any) -> dict[str, Any]:
     """OpenAI's list shape over stored input items: ``limit`` (1-100), ``order``, ``after``, ``before``."""
-    try:
-        limit = int(query.get("limit", 20))
-    except ValueError:
-        raise InvalidRequest("'limit' must be an integer.", param="limit", code="invalid_type") from None
-    if not 1 <= limit <= 100:
-        raise InvalidRequest("'limit' must be between 1 and 100.", param="limit", code="invalid_value")
-    order = query.get("order", "desc")
-    if order not in ("asc", "desc"):
-        raise InvalidRequest("'order' must be 'asc' or 'desc'.", param="order", code="invalid_value")
+    limit, order = list_query(query)
     seq = list(items) if order == "asc" else list(reversed(items))
     ids = [i.get("id") for i in seq]
     for key in ("after", "before"):

@@ -22,7 +22,7 @@ from gateway.errors import InvalidRequest, NotFound
 from gateway.protocol.conversations import check_metadata, conversation_item, conversation_ref, request_items
 from gateway.protocol.ids import new_id
 from gateway.server.auth import request_owner
-from gateway.server.http import OrjsonResponse, read_body
+from gateway.server.http import OrjsonResponse, list_query, read_body
 from gateway.server.record import RequestRecord
 from gateway.store import CursorNotFoundError, ResponseStore, StoredConversation
 
@@ -186,15 +186,7 @@ class ConversationsApi:
     async def list_items(self, request: Request, record: RequestRecord) -> Response:
         cid = request.path_params["conversation_id"]
         query = request.query_params
-        try:
-            limit = int(query.get("limit", 20))
-        except ValueError:
-            raise InvalidRequest("'limit' must be an integer.", param="limit", code="invalid_type") from None
-        if not 1 <= limit <= 100:
-            raise InvalidRequest("'limit' must be between 1 and 100.", param="limit", code="invalid_value")
-        order = query.get("order", "desc")
-        if order not in ("asc", "desc"):
-            raise InvalidRequest("'order' must be 'asc' or 'desc'.", param="order", code="invalid_value")
+        limit, order = list_query(query)
         after = query.get("after") or None
         try:
             page = await self.store().list_conversation_items(cid, limit=limit, order=order, after=after,

@@ -14,11 +14,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
-from gateway.errors import GatewayError, PayloadTooLarge
+from gateway.errors import GatewayError, InvalidRequest, PayloadTooLarge
 from gateway.server.decompress import body_decoder
 
 __all__ = ["CLIENT_CLOSED_REQUEST", "OrjsonResponse", "SseResponse", "cancel_on_disconnect", "error_response",
-           "read_body"]
+           "list_query", "read_body"]
 
 # nginx's status for "the client closed the connection before the answer": logged and counted, never sent.
 CLIENT_CLOSED_REQUEST = 499
@@ -33,6 +33,20 @@ class OrjsonResponse(Response):
 
 def error_response(exc: GatewayError, headers: Mapping[str, str] | None = None) -> OrjsonResponse:
     return OrjsonResponse(exc.body(), status_code=exc.status, headers={**exc.headers, **(headers or {})})
+
+
+def list_query(query: Any) -> tuple[int, str]:
+    """OpenAI's list parameters: ``limit`` (1-100, default 20) and ``order`` (``asc`` | ``desc``, default desc)."""
+    try:
+        limit = int(query.get("limit", 20))
+    except ValueError:
+        raise InvalidRequest("'limit' must be an integer.", param="limit", code="invalid_type") from None
+    if not 1 <= limit <= 100:
+        raise InvalidRequest("'limit' must be between 1 and 100.", param="limit", code="invalid_value")
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise InvalidRequest("'order' must be 'asc' or 'desc'.", param="order", code="invalid_value")
+    return limit, str(order)
 
 
 async def read_body(request: Request, limit: int) -> bytes:

@@ -524,16 +524,16 @@ class FunctionSseTranslator:
     def _route_sub_event(self, st: _Item, etype: str, d: dict[str, Any], data: str,
                          applied: bool = True) -> list[bytes]:
         kind = st.kind
-        if kind == "suppressed":
-            return []
-        if kind == "mcp" or kind == "approval":
-            return self._owned_sub_event(st, etype, d)
-        if kind == "custom":
+        if kind == "custom":  # first: the hottest kind (every input delta of a custom call)
             if etype == "response.function_call_arguments.delta":
                 return self._custom_delta(st, str(d.get("delta", "")))
             if etype == "response.function_call_arguments.done":
                 return self._custom_done(st, str(d.get("arguments", "")))
             return []  # nothing else belongs to a custom call
+        if kind == "suppressed":
+            return []
+        if kind == "mcp" or kind == "approval":
+            return self._owned_sub_event(st, etype, d)
         if kind == "function" and etype == "response.function_call_arguments.done":
             st.args_done_sent = True
             if st.info is not None or not d.get("name"):

@@ -8,7 +8,7 @@ e.g. a constrained step's content turned into a call by ``ContentAsCall``).
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 
@@ -16,9 +16,19 @@ from gateway.protocol.sse import SseParser
 from gateway.translate.chat import ChatToResponsesEvents, Event, completion_to_chunks
 from gateway.upstream.client import UpstreamResponse
 
-__all__ = ["chat_completion_events", "chat_event_batches", "responses_event_batches"]
+__all__ = ["chat_chunk_events", "chat_completion_events", "chat_event_batches", "responses_event_batches"]
 
 ChunkRewrite = Callable[[Mapping[str, Any]], Mapping[str, Any]]
+
+
+class ChunkConverter(Protocol):
+    """Chat chunks -> Responses events: ChatToResponsesEvents, or a takeover step's InputContinuation."""
+
+    finished: bool
+
+    def feed(self, chunk: Mapping[str, Any]) -> list[Event]: ...
+
+    def done(self) -> list[Event]: ...
 
 
 async def responses_event_batches(up: UpstreamResponse) -> AsyncIterator[list[Event]]:
@@ -32,7 +42,9 @@ async def responses_event_batches(up: UpstreamResponse) -> AsyncIterator[list[Ev
         yield tail
 
 
-def _chunk_events(data: str, conv: ChatToResponsesEvents, rewrite: ChunkRewrite | None) -> list[Event]:
+def chat_chunk_events(data: str, conv: ChunkConverter,
+                      rewrite: ChunkRewrite | None = None) -> list[Event]:
+    """One chat SSE ``data:`` text (a chunk or ``[DONE]``) through a chunk converter."""
     if data.strip() == "[DONE]":
         return conv.done()
     try:
@@ -53,12 +65,12 @@ async def chat_event_batches(up: UpstreamResponse, conv: ChatToResponsesEvents,
     async for raw in up.aiter_bytes():
         out: list[Event] = []
         for _event, data in parser.feed(raw):
-            out += _chunk_events(data, conv, rewrite)
+            out += chat_chunk_events(data, conv, rewrite)
         if out:
             yield out
     out = []
     for _event, data in parser.close():
-        out += _chunk_events(data, conv, rewrite)
+        out += chat_chunk_events(data, conv, rewrite)
     out += conv.done()  # no [DONE]: still ends if a finish_reason came; otherwise the translator fails it
     if out:
         yield out
