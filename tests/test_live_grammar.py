@@ -28,6 +28,7 @@ from structlog.testing import capture_logs
 
 from gateway.config import Settings
 from gateway.enforce import runner
+from gateway.translate.custom_input import InputDecoder
 from gateway.upstream.replay import load_cassette
 from tests.invariants import check_stream
 from tests.support import cassette, running_gateway, serve_in_thread, sse_events
@@ -59,6 +60,7 @@ class PacedUpstream:
         self.nonstream_body = stream.nonstream_body()
         self.chat_frames = _frames(GRAMMAR_REQUEST.body)
         self.last_frame_at: dict[str, float] = {}
+        self.sent_at: dict[str, list[float]] = {}  # when each frame was handed to the server, per path
         self.closed_early: dict[str, bool] = {}
         self.requests: list[tuple[str, dict[str, Any]]] = []
         self.lock = threading.Lock()
@@ -67,9 +69,11 @@ class PacedUpstream:
         async def paced(path: str, frames: list[bytes], request: Request) -> StreamingResponse:
             async def gen():  # type: ignore[no-untyped-def]
                 self.closed_early[path] = True
+                sent = self.sent_at[path] = []
                 for frame in frames:
                     yield frame
                     self.last_frame_at[path] = time.monotonic()
+                    sent.append(self.last_frame_at[path])
                     await asyncio.sleep(PACE)
                 self.closed_early[path] = False
 
@@ -108,6 +112,40 @@ def stream_with_times(url: str, body: dict[str, Any]) -> list[tuple[float, dict[
     return out
 
 
+def upstream_text_so_far(frames: list[bytes], path: str) -> list[str]:
+    """The tool input the upstream had produced after each of its frames (what the client may have seen)."""
+    out, text = [], ""
+    decoder = InputDecoder()
+    for frame in frames:
+        data = frame.split(b"data: ", 1)[1].strip()
+        if data != b"[DONE]":
+            d = orjson.loads(data)
+            if path == "/v1/chat/completions":
+                text += "".join(c.get("delta", {}).get("content") or "" for c in d.get("choices") or ())
+            elif d.get("type") == "response.function_call_arguments.delta":
+                text += decoder.feed(d["delta"])
+        out.append(text)
+    return out
+
+
+def assert_every_delta_live(timed: list[tuple[float, dict[str, Any]]], up: PacedUpstream, path: str) -> None:
+    """Each input delta reached the client before the upstream had written two more frames after the frame that
+    produced it: nothing waited for the rest of the call (arrival order against the upstream's own clock)."""
+    produced = upstream_text_so_far(up.responses_frames if path == "/v1/responses" else up.chat_frames, path)
+    sent = up.sent_at[path]
+    seen = ""
+    checked = 0
+    for arrived, event in timed:
+        if event["type"] != "response.custom_tool_call_input.delta":
+            continue
+        seen += event["delta"]
+        j = next(i for i, text in enumerate(produced) if len(text) >= len(seen))  # the frame that produced it
+        if j + 2 < len(sent):
+            assert arrived < sent[j + 2], f"delta {checked} arrived after upstream frame {j + 2} was written"
+            checked += 1
+    assert checked > 10
+
+
 def request_body() -> dict[str, Any]:
     return {"model": "tiny", "input": "Add a file hello.txt saying hi.", "tools": [LARK_TOOL], "tool_choice": "auto",
             "stream": True, "seed": 1}
@@ -139,6 +177,7 @@ def test_constrain_streams_a_grammar_call_live_and_it_always_parses() -> None:
     # arrived in many reads, not as one lump at the end
     assert deltas[0][0] < up.last_frame_at["/v1/chat/completions"]
     assert len({t for t, _ in deltas}) > 5
+    assert_every_delta_live(timed, up, "/v1/chat/completions")
     # the message text before the call reached the client before the call opened, in order
     kinds = [e["type"] for e in events]
     assert kinds.index("response.output_text.delta") < kinds.index("response.custom_tool_call_input.delta")
@@ -168,6 +207,7 @@ def test_validate_streams_a_grammar_call_as_it_comes_and_counts_the_mismatch() -
     assert "".join(e["delta"] for _, e in deltas) == call["input"]
     assert deltas[0][0] < up.last_frame_at["/v1/responses"]
     assert len({t for t, _ in deltas}) > 5
+    assert_every_delta_live(timed, up, "/v1/responses")
     assert events[-1]["type"] == "response.completed"  # a mismatch under auto is counted, never failed
     assert 'responses_gateway_tool_choice_enforcement_total{outcome="violated"} 1.0' in text
     assert [p for p, _ in up.requests] == ["/v1/responses"]
