@@ -956,7 +956,8 @@ def machine() -> dict[str, Any]:
             "python": platform.python_version(), "platform": platform.platform()}
 
 
-Row = tuple[str, str, str, str, str, str, str]  # metric, direct, gateway, agentic, ratio/added, target, verdict
+# metric, direct, gateway, floor, agentic, ratio/added, target, verdict
+Row = tuple[str, str, str, str, str, str, str, str]
 
 
 def evaluate(r: dict[str, Any]) -> list[Row]:
@@ -972,63 +973,62 @@ def evaluate(r: dict[str, Any]) -> list[Row]:
     def verdict(ok: bool | None) -> str:
         return "n/a" if ok is None else "PASS" if ok else "MISS"
 
+    def cols(phase: str, key: str, spec: str = ".3f", direct: bool = True) -> tuple[str, str, str, str]:
+        """direct, gateway, floor, agentic."""
+        return (fmt(get(phase, "direct", key), spec) if direct else "-",
+                *(fmt(get(phase, n, key), spec) for n in ("gateway", "floor", "agentic")))  # type: ignore[return-value]
+
     T = TARGETS
     if "throughput" in r:
-        d, g, p = (get("throughput", n, "frames_per_s") for n in ("direct", "gateway", "agentic"))
+        d, g = get("throughput", "direct", "frames_per_s"), get("throughput", "gateway", "frames_per_s")
         ratio = g / d if g and d else None
         ok = None if ratio is None or g is None else ratio >= T["frames_ratio_vs_direct"] and g >= T["frames_per_s"]
-        rows.append((f"frames/s, 1 long stream ({r['throughput']['pacing']})", fmt(d, ",.0f"), fmt(g, ",.0f"),
-                     fmt(p, ",.0f"), f"x{ratio:.3f} direct" if ratio else "-",
+        rows.append((f"frames/s, 1 long stream ({r['throughput']['pacing']})",
+                     *cols("throughput", "frames_per_s", ",.0f"),
+                     f"x{ratio:.3f} direct" if ratio else "-",
                      f">= {T['frames_ratio_vs_direct']:g}x direct, >= {T['frames_per_s']:,.0f}", verdict(ok)))
-        rows.append(("CPU us/frame, long stream", "-", fmt(get("throughput", "gateway", "cpu_us_per_frame"), ".1f"),
-                     fmt(get("throughput", "agentic", "cpu_us_per_frame"), ".1f"), "-", "-", "info"))
+        rows.append(("CPU us/frame, long stream", *cols("throughput", "cpu_us_per_frame", ".1f", False), "-", "-",
+                     "info"))
     if "ttfb_single" in r:
         t = r["ttfb_single"]
-        d, g, p = (get("ttfb_single", n, "ttfb_p50_ms") for n in ("direct", "gateway", "agentic"))
         added = get("ttfb_single", "gateway", "added_ttfb_p50_ms")
-        rows.append(("TTFB p50, 1 stream (ms)", fmt(d), fmt(g), fmt(p), f"+{added:.3f}" if added is not None else "-",
-                     f"added <= {T['added_ttfb_p50_ms']:g}",
+        rows.append(("TTFB p50, 1 stream (ms)", *cols("ttfb_single", "ttfb_p50_ms"),
+                     f"+{added:.3f}" if added is not None else "-", f"added <= {T['added_ttfb_p50_ms']:g}",
                      verdict(None if added is None else added <= T["added_ttfb_p50_ms"])))
-        d, g, p = (get("ttfb_single", n, "ttfb_p99_ms") for n in ("direct", "gateway", "agentic"))
-        rows.append(("TTFB p99, 1 stream (ms)", fmt(d), fmt(g), fmt(p), "-", "-", "info"))
-        rows.append((f"CPU ms/request, 1 stream ({t['deltas']} deltas)", "-",
-                     fmt(get("ttfb_single", "gateway", "cpu_ms_per_request"), ".2f"),
-                     fmt(get("ttfb_single", "agentic", "cpu_ms_per_request"), ".2f"), "-", "-", "info"))
-        conns = [get("ttfb_single", n, "upstream_connections_opened") for n in ("gateway", "agentic")]
-        rows.append((f"upstream connections opened, {t['requests']} sequential", "-", fmt(conns[0], ".0f"),
-                     fmt(conns[1], ".0f"), "-", "-", "info"))
+        rows.append(("TTFB p99, 1 stream (ms)", *cols("ttfb_single", "ttfb_p99_ms"), "-", "-", "info"))
+        rows.append((f"CPU ms/request, 1 stream ({t['deltas']} deltas)",
+                     *cols("ttfb_single", "cpu_ms_per_request", ".2f", False), "-", "-", "info"))
+        rows.append((f"upstream connections opened, {t['requests']} sequential",
+                     *cols("ttfb_single", "upstream_connections_opened", ".0f", False), "-", "-", "info"))
     if "ttfb_concurrent" in r:
         c = r["ttfb_concurrent"]["streams"]
-        d, g, p = (get("ttfb_concurrent", n, "ttfb_p50_ms") for n in ("direct", "gateway", "agentic"))
+        g, p = (get("ttfb_concurrent", n, "ttfb_p50_ms") for n in ("gateway", "agentic"))
         ratio = g / p if g is not None and p else None
-        rows.append((f"TTFB p50, {c} concurrent (ms)", fmt(d), fmt(g), fmt(p),
+        rows.append((f"TTFB p50, {c} concurrent (ms)", *cols("ttfb_concurrent", "ttfb_p50_ms"),
                      f"x{ratio:.2f} agentic" if ratio else "-", f"<= {T['c64_ttfb_vs_peer']:g}x agentic",
                      verdict(None if ratio is None else ratio <= T["c64_ttfb_vs_peer"])))
-        d, g, p = (get("ttfb_concurrent", n, "ttfb_p99_ms") for n in ("direct", "gateway", "agentic"))
-        rows.append((f"TTFB p99, {c} concurrent (ms)", fmt(d), fmt(g), fmt(p), "-", "-", "info"))
-        d, g, p = (get("ttfb_concurrent", n, "burst_ttfb_p50_ms") for n in ("direct", "gateway", "agentic"))
-        rows.append((f"TTFB p50, {c} burst (ms)", fmt(d), fmt(g), fmt(p), "-", "-", "info"))
+        rows.append((f"TTFB p99, {c} concurrent (ms)", *cols("ttfb_concurrent", "ttfb_p99_ms"), "-", "-", "info"))
+        rows.append((f"TTFB p50, {c} burst (ms)", *cols("ttfb_concurrent", "burst_ttfb_p50_ms"), "-", "-", "info"))
         g, p = (get("ttfb_concurrent", n, "cpu_s_per_1000_responses") for n in ("gateway", "agentic"))
         ratio = g / p if g is not None and p else None
-        rows.append((f"CPU s per 1000 responses ({c} paced)", "-", fmt(g, ".2f"), fmt(p, ".2f"),
+        rows.append((f"CPU s per 1000 responses ({c} paced)",
+                     *cols("ttfb_concurrent", "cpu_s_per_1000_responses", ".2f", False),
                      f"x{ratio:.2f} agentic" if ratio else "-", f"<= {T['cpu_per_1k_vs_peer']:g}x agentic",
                      verdict(None if ratio is None else ratio <= T["cpu_per_1k_vs_peer"])))
-        rows.append((f"CPU us/frame ({c} paced)", "-",
-                     fmt(get("ttfb_concurrent", "gateway", "cpu_us_per_frame"), ".1f"),
-                     fmt(get("ttfb_concurrent", "agentic", "cpu_us_per_frame"), ".1f"), "-", "-", "info"))
+        rows.append((f"CPU us/frame ({c} paced)", *cols("ttfb_concurrent", "cpu_us_per_frame", ".1f", False), "-", "-",
+                     "info"))
     if "rss" in r:
         s = r["rss"]["streams"]
-        g, p = get("rss", "gateway", "peak_rss_mb"), get("rss", "agentic", "peak_rss_mb")
-        rows.append((f"peak RSS, {s} streams (MB)", "-", fmt(g, ".1f"), fmt(p, ".1f"),
+        g = get("rss", "gateway", "peak_rss_mb")
+        rows.append((f"peak RSS, {s} streams (MB)", *cols("rss", "peak_rss_mb", ".1f", False),
                      f"idle {fmt(get('rss', 'gateway', 'idle_rss_mb'), '.1f')}", f"<= {T['peak_rss_mb']:g}",
                      verdict(None if g is None else g <= T["peak_rss_mb"])))
-        rows.append((f"CPU us/frame ({s} paced)", "-", fmt(get("rss", "gateway", "cpu_us_per_frame"), ".1f"),
-                     fmt(get("rss", "agentic", "cpu_us_per_frame"), ".1f"), "-", "-", "info"))
+        rows.append((f"CPU us/frame ({s} paced)", *cols("rss", "cpu_us_per_frame", ".1f", False), "-", "-", "info"))
     return rows
 
 
 def print_table(rows: list[Row]) -> None:
-    header = ("metric", "direct", "gateway", "agentic", "ratio/added", "target", "")
+    header = ("metric", "direct", "gateway", "floor", "agentic", "ratio/added", "target", "")
     widths = [max(len(str(x[i])) for x in [header, *rows]) for i in range(len(header))]
     line = "  ".join("-" * w for w in widths)
 
@@ -1091,6 +1091,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--peer", default=None,
                    help="agentic-server executable for the peer column (default: agentic-server on PATH or in "
                         "/tmp/agentic-venv; 'none' skips the peer)")
+    p.add_argument("--no-floor", action="store_true",
+                   help="skip the floor column (bench/thin_proxy.py: the thinnest proxy on the gateway's own stack)")
     p.add_argument("--attach", default="",
                    help="command started once the gateway is up ({pid}: the gateway's pid) and stopped with SIGINT "
                         "after the phases, e.g. 'py-spy record --pid {pid} -r 500 -f speedscope -o prof.json'")
@@ -1121,8 +1123,8 @@ def main(argv: list[str] | None = None) -> int:
         os.sched_setaffinity(0, client_cpus)  # the fake upstream inherits it
     peer = find_peer(a.peer)
 
-    up_port, gw_port, peer_port = free_port(), free_port(), free_port()
-    upstream = gateway = agentic = attached = None
+    up_port, gw_port, peer_port, floor_port = free_port(), free_port(), free_port(), free_port()
+    upstream = gateway = agentic = floor = attached = None
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     tmp = Path(tempfile.mkdtemp(prefix="gateway-bench-"))
     logs = a.json.parent
@@ -1153,6 +1155,15 @@ def main(argv: list[str] | None = None) -> int:
                     with contextlib.suppress(psutil.Error):
                         c.cpu_affinity(sorted(proxy_cpus))
         targets = [Target("direct", up_port, REQUEST_BODY), Target("gateway", gw_port, REQUEST_BODY, gw_pid)]
+        if not a.no_floor:
+            floor = subprocess.Popen(
+                [sys.executable, str(ROOT / "bench" / "thin_proxy.py"), "--llm-api-base", f"http://127.0.0.1:{up_port}/v1",
+                 "--gateway-port", str(floor_port)], cwd=ROOT, env=env, stdout=(logs / "floor.log").open("wb"),
+                stderr=subprocess.STDOUT)
+            if pin:
+                os.sched_setaffinity(floor.pid, proxy_cpus)
+            wait_port(floor_port, floor)
+            targets.append(Target("floor", floor_port, PEER_REQUEST_BODY, floor.pid))
         if peer:
             agentic = subprocess.Popen(
                 [peer, "--llm-api-base", f"http://127.0.0.1:{up_port}/v1", "--gateway-host", "127.0.0.1",
@@ -1191,6 +1202,7 @@ def main(argv: list[str] | None = None) -> int:
         stop(attached, signal.SIGINT)
         stop(gateway, signal.SIGINT if a.gateway_wrap else signal.SIGTERM)
         stop(agentic, signal.SIGINT)
+        stop(floor, signal.SIGINT)
         stop(upstream)
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -1205,7 +1217,7 @@ def main(argv: list[str] | None = None) -> int:
         "startup_rss_mb": startup_rss,
         "results": bench.results,
         "other_load_on_proxy_cores": bench.contention,
-        "verdicts": {row[0]: row[6] for row in rows if row[6] in ("PASS", "MISS")},
+        "verdicts": {row[0]: row[7] for row in rows if row[7] in ("PASS", "MISS")},
     }
     a.json.parent.mkdir(parents=True, exist_ok=True)
     a.json.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
