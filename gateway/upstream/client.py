@@ -288,11 +288,11 @@ class UpstreamClient:
                               max_keepalive_connections=settings.max_concurrency, keepalive_expiry=KEEPALIVE_EXPIRY)
         self._timeout = httpx.Timeout(settings.read_timeout, connect=settings.connect_timeout)
         self._stream_timeout = httpx.Timeout(settings.stream_idle_timeout, connect=settings.connect_timeout)
+        self._timeouts = {True: self._stream_timeout.as_dict(), False: self._timeout.as_dict()}
         self._urls: dict[str, httpx.URL] = {}
-        self.http = _Client(base_url=settings.upstream_url.rstrip("/"),
-                                      transport=transport if transport is not None else
-                                      default_transport(settings, limits),
-                                      limits=limits, timeout=self._timeout)
+        self._transport = transport if transport is not None else default_transport(settings, limits)
+        self.http = _Client(base_url=settings.upstream_url.rstrip("/"), transport=self._transport,
+                            limits=limits, timeout=self._timeout)
 
     async def aclose(self) -> None:
         await self.http.aclose()
@@ -319,12 +319,17 @@ class UpstreamClient:
         """
         headers = {"content-type": "application/json", "accept": "text/event-stream" if stream else
                    "application/json", **self.auth_headers(client_headers), **(extra_headers or {})}
-        request = self.http.build_request("POST", self._url(path), content=orjson.dumps(body), headers=headers,
-                                          timeout=self._stream_timeout if stream else self._timeout)
+        # Straight to the transport: every model request takes this path (two per response under constrain),
+        # and httpx's client layers around the transport (default-header and cookie merging, auth and
+        # redirect loops, the bound stream, a log line per request) cost about as much CPU as the aiohttp
+        # request itself (bench/README.md). The request and response are still httpx's own objects.
+        request = httpx.Request("POST", self._url(path), content=orjson.dumps(body), headers=headers,
+                                extensions={"timeout": self._timeouts[stream]})
         try:
-            response = await self.http.send(request, stream=True)
+            response = await self._transport.handle_async_request(request)
         except httpx.HTTPError as exc:
             raise map_transport_error(exc) from exc
+        response.request = request
         return UpstreamResponse(response)
 
     async def post_json(self, path: str, body: Mapping[str, Any], client_headers: Mapping[str, str]
