@@ -1,10 +1,11 @@
 """HTTP client for the upstream (vLLM). Maps transport failures to the gateway's errors in one place.
 
-httpx is the client API; on the network it runs on aiohttp (``httpx-aiohttp``'s transport, see
-``AiohttpUpstreamTransport``), whose HTTP/1.1 parser is C and whose reads are plain asyncio protocol
-callbacks — httpcore's pure-Python h11 path and anyio streams cost several times more per upstream frame.
-Connections are kept alive and reused: a stream that ended on its own terminal event is ``release()``d
-(the rest of its body read, bounded) rather than dropped.
+httpx is the client API. Model requests (``send_json``: every response's one or two POSTs) run on the lean
+HTTP/1.1 transport in ``gateway.upstream.h1`` (httptools' C parser on a bare asyncio protocol); everything
+else (the pass-through proxy, readiness, metrics) runs on aiohttp (``httpx-aiohttp``'s transport, see
+``AiohttpUpstreamTransport``), whose HTTP/1.1 parser is C too. httpcore's pure-Python h11 path and anyio
+streams cost several times more per upstream frame. Connections are kept alive and reused: a stream that
+ended on its own terminal event is ``release()``d (the rest of its body read, bounded) rather than dropped.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from httpx_aiohttp import AiohttpTransport
 
 from gateway.config import Settings
 from gateway.errors import GatewayError, UpstreamTimeout, UpstreamUnavailable, normalize_upstream_error
+from gateway.upstream.h1 import DIRECT_BODY as _BODY
+from gateway.upstream.h1 import H1Transport
 
 __all__ = ["AiohttpUpstreamTransport", "UpstreamClient", "UpstreamResponse", "map_transport_error"]
 
@@ -32,7 +35,6 @@ RELEASE_TIMEOUT = 1.0
 KEEPALIVE_EXPIRY = 3.0
 # One read hands over everything the socket has buffered, up to this much (one read may carry many frames).
 READ_SIZE = 1 << 20
-_BODY = "gateway.aiohttp_body"  # response extension: the transport's body stream, read directly
 
 # Headers never forwarded between hops (RFC 9110 §7.6.1) plus ones httpx/uvicorn recompute.
 HOP_BY_HOP = frozenset({
@@ -200,7 +202,7 @@ class UpstreamResponse:
         if body is None:
             response = self.response
             stream = response.extensions.get(_BODY)
-            if isinstance(stream, _BodyStream) and "content-encoding" not in response.headers \
+            if isinstance(stream, httpx.AsyncByteStream) and "content-encoding" not in response.headers \
                     and not response.is_stream_consumed:
                 response.is_stream_consumed = True
                 body = stream.__aiter__()
@@ -293,9 +295,16 @@ class UpstreamClient:
         self._transport = transport if transport is not None else default_transport(settings, limits)
         self.http = _Client(base_url=settings.upstream_url.rstrip("/"), transport=self._transport,
                             limits=limits, timeout=self._timeout)
+        # Model requests (send_json) go over the lean HTTP/1.1 transport (gateway.upstream.h1); everything else
+        # (the pass-through proxy, readiness, metrics) over aiohttp. A transport passed in serves both.
+        self._model_transport: httpx.AsyncBaseTransport = transport if transport is not None else H1Transport(
+            limits=limits)
+        self._routes: dict[str, tuple[httpx.URL, httpx.AsyncBaseTransport]] = {}
 
     async def aclose(self) -> None:
         await self.http.aclose()
+        if self._model_transport is not self._transport:
+            await self._model_transport.aclose()
 
     def _url(self, path: str) -> httpx.URL:
         """The absolute URL of an upstream path, parsed once (httpx parses a relative one on every request)."""
@@ -303,6 +312,16 @@ class UpstreamClient:
         if url is None:
             url = self._urls[path] = self.http.base_url.join(path.lstrip("/"))
         return url
+
+    def _route(self, path: str) -> tuple[httpx.URL, httpx.AsyncBaseTransport]:
+        """A model path's URL and transport: a proxy the environment configures for it (httpx's mounts,
+        ``HTTPS_PROXY`` and friends) is kept; otherwise the model transport."""
+        route = self._routes.get(path)
+        if route is None:
+            url = self._url(path)
+            mounted = self.http._transport_for_url(url)  # httpx-private, once per path
+            route = self._routes[path] = (url, self._model_transport if mounted is self._transport else mounted)
+        return route
 
     def auth_headers(self, client_headers: Mapping[str, str]) -> dict[str, str]:
         if self.settings.upstream_api_key:
@@ -323,10 +342,11 @@ class UpstreamClient:
         # and httpx's client layers around the transport (default-header and cookie merging, auth and
         # redirect loops, the bound stream, a log line per request) cost about as much CPU as the aiohttp
         # request itself (bench/README.md). The request and response are still httpx's own objects.
-        request = httpx.Request("POST", self._url(path), content=orjson.dumps(body), headers=headers,
+        url, transport = self._route(path)
+        request = httpx.Request("POST", url, content=orjson.dumps(body), headers=headers,
                                 extensions={"timeout": self._timeouts[stream]})
         try:
-            response = await self._transport.handle_async_request(request)
+            response = await transport.handle_async_request(request)
         except httpx.HTTPError as exc:
             raise map_transport_error(exc) from exc
         response.request = request

@@ -1,0 +1,314 @@
+"""The lean HTTP/1.1 model-request transport (gateway.upstream.h1) against a raw asyncio server on loopback.
+
+Each test's server answers from a script: what bytes to write, in which pieces, and whether to close. The
+transport is driven through httpx's own objects, as ``UpstreamClient.send_json`` drives it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gateway.upstream.h1 import H1Transport
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+TIMEOUT = {"connect": 2.0, "read": 2.0, "write": 2.0, "pool": 2.0}
+
+
+class Server:
+    def __init__(self, handler: Handler) -> None:
+        self.handler = handler
+        self.accepted = 0
+        self.requests: list[bytes] = []
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.accepted += 1
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
+            await self.handler(reader, writer)
+        with contextlib.suppress(Exception):
+            writer.close()
+
+    async def read_request(self, reader: asyncio.StreamReader) -> bytes:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = 0
+        for line in head.split(b"\r\n")[1:]:
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"content-length":
+                length = int(value)
+        body = await reader.readexactly(length)
+        self.requests.append(head + body)
+        return body
+
+
+@contextlib.asynccontextmanager
+async def serving(make: Callable[[Server], Handler]) -> AsyncIterator[tuple[Server, str]]:
+    srv = Server(lambda r, w: asyncio.sleep(0))
+    srv.handler = make(srv)
+    server = await asyncio.start_server(srv._serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield srv, f"http://127.0.0.1:{port}"
+    finally:
+        server.close()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(server.wait_closed(), 1)
+
+
+def _transport(**limits: float | int | None) -> H1Transport:
+    return H1Transport(limits=httpx.Limits(**{"max_connections": 8, "max_keepalive_connections": 8,
+                                              "keepalive_expiry": 5.0, **limits}))
+
+
+def _post(url: str, body: bytes = b'{"stream":true}', timeout: dict[str, float] | None = None) -> httpx.Request:
+    return httpx.Request("POST", url + "/v1/responses", content=body, headers={"content-type": "application/json"},
+                         extensions={"timeout": timeout or TIMEOUT})
+
+
+async def _read(response: httpx.Response) -> bytes:
+    out = b""
+    async for chunk in response.stream:  # type: ignore[union-attr]
+        out += chunk
+    await response.aclose()
+    return out
+
+
+def _chunked(*pieces: bytes) -> bytes:
+    return b"".join(b"%x\r\n%b\r\n" % (len(p), p) for p in pieces) + b"0\r\n\r\n"
+
+
+STREAM_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+
+
+async def test_sequential_requests_reuse_one_connection_and_bodies_arrive_whole() -> None:
+    def make(srv: Server) -> Handler:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            while True:
+                body = await srv.read_request(reader)
+                writer.write(STREAM_HEAD + _chunked(b"data: 1\n\n", b"data: " + body + b"\n\n"))
+                await writer.drain()
+        return handle
+
+    async with serving(make) as (srv, url):
+        t = _transport()
+        for i in range(5):
+            r = await t.handle_async_request(_post(url, b'{"n":%d}' % i))
+            assert r.status_code == 200 and r.headers["content-type"] == "text/event-stream"
+            assert await _read(r) == b'data: 1\n\ndata: {"n":%d}\n\n' % i
+        assert srv.accepted == 1 and t.connections_opened == 1
+        assert srv.requests[0].startswith(b"POST /v1/responses HTTP/1.1\r\n")
+        assert b"host: 127.0.0.1:" in srv.requests[0].lower() and b"content-length: 7" in srv.requests[0].lower()
+        await t.aclose()
+
+
+async def test_a_response_closed_before_its_end_drops_the_connection() -> None:
+    closed = asyncio.Event()
+
+    def make(srv: Server) -> Handler:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await srv.read_request(reader)
+            writer.write(STREAM_HEAD + b"9\r\ndata: 1\n\n\r\n")  # and never the end
+            await writer.drain()
+            await reader.read()  # b"" once the gateway closes: what aborts vLLM's generation
+            closed.set()
+        return handle
+
+    async with serving(make) as (srv, url):
+        t = _transport()
+        r = await t.handle_async_request(_post(url))
+        it = r.stream.__aiter__()  # type: ignore[union-attr]
+        assert await it.__anext__() == b"data: 1\n\n"
+        await r.aclose()
+        await asyncio.wait_for(closed.wait(), 2)
+        r = await t.handle_async_request(_post(url))  # a fresh connection for the next request
+        await r.aclose()
+        assert srv.accepted == 2
+        await t.aclose()
+
+
+async def test_a_pooled_connection_the_server_closed_is_retried_once_on_a_fresh_one() -> None:
+    def make(srv: Server) -> Handler:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await srv.read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+            await writer.drain()
+            # keep-alive was promised, but the server drops the connection once idle (a keep-alive timeout)
+            with contextlib.suppress(asyncio.IncompleteReadError):
+                await reader.readexactly(1)
+        return handle
+
+    async with serving(make) as (srv, url):
+        t = _transport()
+        assert await _read(await t.handle_async_request(_post(url))) == b"ok"
+        # the server reads one byte of the next request and closes: no answer byte on a reused connection
+        assert await _read(await t.handle_async_request(_post(url))) == b"ok"
+        assert srv.accepted == 2 and t.connections_opened == 2  # the first (gone stale) and the retry's
+        await t.aclose()
+
+
+async def test_no_answer_on_a_fresh_connection_is_an_error_not_a_retry() -> None:
+    def make(srv: Server) -> Handler:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await srv.read_request(reader)  # then close without a byte
+        return handle
+
+    async with serving(make) as (srv, url):
+        t = _transport()
+        with pytest.raises(httpx.RemoteProtocolError):
+            await t.handle_async_request(_post(url))
+        assert srv.accepted == 1
+        await t.aclose()
+
+
+async def test_a_body_cut_short_raises_remote_protocol_error() -> None:
+    def make(srv: Server) -> Handler:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await srv.read_request(reader)
+            writer.write(STREAM_HEAD + b"9\r\ndata: 1\n\n\r\n")
+            await writer.drain()
+        return handle
+
+    async with serving(make) as (_, url):
+        t = _transport()
+        r = await t.handle_async_request(_post(url))
+        with pytest.raises(httpx.RemoteProtocolError):
+            await _read(r)
+        await r.aclose()
+        await t.aclose()
+
+
+async def test_a_body_delimited_by_the_close_of_the_connection_ends_normally() -> None:
+    def make(srv: Server) -> Handler:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await srv.read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\nall of it")
+            await writer.drain()
+        return handle
+
+    async with serving(make) as (_, url):
+        t = _transport()
+        assert await _read(await t.handle_async_request(_post(url))) == b"all of it"
+        await t.aclose()
+
+
+async def test_a_silent_upstream_times_out_between_reads() -> None:
+    def make(srv: Server) -> Handler:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await srv.read_request(reader)
+            writer.write(STREAM_HEAD + b"9\r\ndata: 1\n\n\r\n")
+            await writer.drain()
+            await asyncio.sleep(5)
+        return handle
+
+    async with serving(make) as (_, url):
+        t = _transport()
+        r = await t.handle_async_request(_post(url, timeout={**TIMEOUT, "read": 0.3}))
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        with pytest.raises(httpx.ReadTimeout):
+            await _read(r)
+        assert 0.2 < loop.time() - started < 2.0
+        await r.aclose()
+        await t.aclose()
+
+
+async def test_invalid_http_is_a_remote_protocol_error() -> None:
+    def make(srv: Server) -> Handler:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await srv.read_request(reader)
+            writer.write(b"NOT HTTP AT ALL\r\n\r\n")
+            await writer.drain()
+            await asyncio.sleep(1)
+        return handle
+
+    async with serving(make) as (_, url):
+        t = _transport()
+        with pytest.raises(httpx.RemoteProtocolError):
+            await t.handle_async_request(_post(url))
+        await t.aclose()
+
+
+async def test_a_refused_connection_is_a_connect_error() -> None:
+    async with serving(lambda srv: srv.read_request) as (_, url):  # type: ignore[arg-type,return-value]
+        pass  # closed: nothing listens on the port any more
+    t = _transport()
+    with pytest.raises(httpx.ConnectError):
+        await t.handle_async_request(_post(url))
+    await t.aclose()
+
+
+async def test_past_max_connections_a_request_waits_for_a_free_one_then_times_out() -> None:
+    def make(srv: Server) -> Handler:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            while True:
+                await srv.read_request(reader)
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                await writer.drain()
+        return handle
+
+    async with serving(make) as (srv, url):
+        t = _transport(max_connections=1)
+        first = await t.handle_async_request(_post(url))
+        with pytest.raises(httpx.PoolTimeout):
+            await t.handle_async_request(_post(url, timeout={**TIMEOUT, "pool": 0.2}))
+        waiting = asyncio.create_task(t.handle_async_request(_post(url)))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        assert await _read(first) == b"ok"  # frees the slot: the waiter goes on, on the same connection
+        assert await _read(await asyncio.wait_for(waiting, 2)) == b"ok"
+        assert srv.accepted == 1
+        await t.aclose()
+
+
+async def test_a_reader_that_falls_behind_pauses_the_socket_and_loses_nothing() -> None:
+    payload = bytes(range(256)) * 16384  # 4 MiB, past the high-water mark
+
+    def make(srv: Server) -> Handler:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await srv.read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(payload))
+            for i in range(0, len(payload), 65536):
+                writer.write(payload[i:i + 65536])
+                await writer.drain()
+        return handle
+
+    async with serving(make) as (_, url):
+        t = _transport()
+        r = await t.handle_async_request(_post(url))
+        got = bytearray()
+        async for chunk in r.stream:  # type: ignore[union-attr]
+            got += chunk
+            await asyncio.sleep(0.01)  # slower than the server
+        await r.aclose()
+        assert bytes(got) == payload
+        await t.aclose()
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.binary(min_size=1, max_size=40), min_size=1, max_size=12), st.data())
+def test_any_framing_of_a_chunked_body_arrives_intact(pieces: list[bytes], data: st.DataObject) -> None:
+    wire = STREAM_HEAD + _chunked(*pieces)
+    cuts = sorted(data.draw(st.sets(st.integers(1, len(wire) - 1), max_size=10)))
+    segments = [wire[a:b] for a, b in zip([0, *cuts], [*cuts, len(wire)], strict=True)]
+
+    async def run() -> None:
+        def make(srv: Server) -> Handler:
+            async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+                await srv.read_request(reader)
+                for seg in segments:  # each its own write, the loop turning between them
+                    writer.write(seg)
+                    await writer.drain()
+                    await asyncio.sleep(0)
+            return handle
+
+        async with serving(make) as (_, url):
+            t = _transport()
+            assert await _read(await t.handle_async_request(_post(url))) == b"".join(pieces)
+            await t.aclose()
+
+    asyncio.run(run())
