@@ -94,7 +94,7 @@ def test_sigterm_lets_an_in_flight_stream_finish_then_exits_0() -> None:
     events = sse_events(reader.raw)
     assert events[-1]["type"] == "response.incomplete"  # the recorded answer's own end (max_output_tokens)
     assert not any(e["type"] == "response.failed" for e in events)
-    assert '"event": "draining"' in stderr and "drain_timeout_reached" not in stderr
+    assert '"event":"draining"' in stderr and "drain_timeout_reached" not in stderr
 
 
 @pytest.mark.parametrize("upstream_api", ["responses", "chat"])

@@ -10,7 +10,9 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Callable
+from typing import Any
 
+import orjson
 import structlog
 
 from gateway.server.record import RequestRecord
@@ -18,6 +20,11 @@ from gateway.server.record import RequestRecord
 __all__ = ["Observer", "configure_logging", "ensure_logging"]
 
 _configured_by_us = False
+
+
+def _dumps(event: Any, **kw: Any) -> str:
+    """JSONRenderer's serializer: orjson (the stdlib encoder was a visible share of a short response's CPU)."""
+    return orjson.dumps(event, default=kw.get("default") or str, option=orjson.OPT_NON_STR_KEYS).decode()
 
 
 def configure_logging(level: str = "info") -> None:
@@ -33,7 +40,7 @@ def configure_logging(level: str = "info") -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(structlog.stdlib.ProcessorFormatter(
         processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta,
-                    structlog.processors.format_exc_info, structlog.processors.JSONRenderer()],
+                    structlog.processors.format_exc_info, structlog.processors.JSONRenderer(serializer=_dumps)],
         foreign_pre_chain=[*shared, structlog.stdlib.add_logger_name],
     ))
     root = logging.getLogger()
@@ -46,7 +53,8 @@ def configure_logging(level: str = "info") -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     logging.getLogger("httpcore").setLevel(logging.WARNING)
     structlog.configure(
-        processors=[*shared, structlog.processors.format_exc_info, structlog.processors.JSONRenderer()],
+        processors=[*shared, structlog.processors.format_exc_info,
+                    structlog.processors.JSONRenderer(serializer=_dumps)],
         wrapper_class=structlog.make_filtering_bound_logger(lvl),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=False,
