@@ -312,3 +312,21 @@ def test_any_framing_of_a_chunked_body_arrives_intact(pieces: list[bytes], data:
             await t.aclose()
 
     asyncio.run(run())
+
+
+async def test_a_head_answer_has_no_body_whatever_its_content_length_says() -> None:
+    def make(srv: Server) -> Handler:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 1000\r\n\r\n")
+            await writer.drain()
+            await asyncio.sleep(5)
+        return handle
+
+    async with serving(make) as (_, url):
+        t = _transport()
+        request = httpx.Request("HEAD", url + "/v1/models", extensions={"timeout": TIMEOUT})
+        r = await asyncio.wait_for(t.handle_async_request(request), 2)
+        assert r.headers["content-length"] == "1000"
+        assert await asyncio.wait_for(_read(r), 2) == b""
+        await t.aclose()

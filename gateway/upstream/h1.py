@@ -1,22 +1,24 @@
-"""A lean HTTP/1.1 transport for httpx, for the model requests (POST + JSON body, streamed answer).
+"""The upstream HTTP/1.1 transport for httpx: httptools' C parser on a bare asyncio protocol.
 
-Why not only aiohttp (``AiohttpUpstreamTransport``, which still carries every other upstream request): every
-response the gateway streams makes one or two model requests, and measured against the bench's fake
-upstream on this stack an aiohttp request through httpx-aiohttp cost ~440 µs of CPU before its first body
-byte (``ClientSession._request``: timers, tracing hooks, multidicts, yarl URLs, the happy-eyeballs connect)
-against ~115 µs for the same request on a bare asyncio protocol, and each body read ~2× more (a
-``StreamReader`` per response, a timer rescheduled per chunk). This module is that bare protocol, kept
-small: HTTP/1.1 only, ``httptools``' C parser (already uvicorn's), one pool of keep-alive connections per
-origin, and httpx's own ``Request``/``Response`` objects and exceptions, so callers see httpx.
+Why not httpx's own transport or httpx-aiohttp's: every response the gateway streams makes one or two
+model requests, and each upstream frame is one socket read. httpcore over pure-Python h11 cost several
+times more per frame; aiohttp through httpx-aiohttp, measured against the bench's fake upstream on this
+stack, cost ~440 µs of CPU per request before its first body byte (``ClientSession._request``: timers,
+tracing hooks, multidicts, yarl URLs, the happy-eyeballs connect) against ~300 µs here, and ~2× more per
+body read (a ``StreamReader`` per response, a timer rescheduled per chunk) — plus ~10 MB of imports in
+every process. This module is that bare protocol, kept small: HTTP/1.1 only, ``httptools`` (already
+uvicorn's parser), one pool of keep-alive connections per origin, and httpx's own ``Request``/``Response``
+objects and exceptions, so callers see httpx.
 
 What it does: connect (``loop.create_connection``, TLS with SNI for https), pool and reuse connections up
 to ``httpx.Limits`` (a request past ``max_connections`` waits up to the pool timeout), drop idle ones after
 ``keepalive_expiry``, retry once on a fresh connection when a reused one turns out closed before any answer
-byte (the server timed it out), write a bytes body at once, hand over everything the socket has buffered
-in one read, pause reading past a bound when the reader falls behind, and time out reads with one timer per
-connection that is re-armed only when it fires (not per chunk). Closing a response whose body is complete
-returns its connection to the pool; closing it earlier drops the connection, which aborts the upstream
-request (vLLM stops generating).
+byte (the server timed it out), write the request in one write, hand over everything the socket has
+buffered in one read, pause reading past a bound when the reader falls behind, and time out reads with one
+timer per connection that is re-armed only when it fires (not per chunk). Closing a response whose body is
+complete returns its connection to the pool; closing it earlier drops the connection, which aborts the
+upstream request (vLLM stops generating). Request bodies are bytes: the gateway's are JSON it built, and the
+pass-through proxy reads a client's body (bounded by ``--max-body-bytes``) before forwarding it.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ class _Conn(asyncio.Protocol):
         self.headers: list[tuple[bytes, bytes]] = []
         self.status = 0
         self.headers_done = False
+        self.head_only = False
         self.keep_alive = False
         self.complete = False
         self.error: Exception | None = None
@@ -109,8 +112,13 @@ class _Conn(asyncio.Protocol):
         self.status = self.parser.get_status_code()
         self.keep_alive = self.parser.should_keep_alive()  # only meaningful while the message is being parsed
         self.headers_done = True
+        if self.head_only:  # no body, whatever content-length says; httptools cannot be told: not reused
+            self.keep_alive = False
+            self.complete = True
 
     def on_body(self, body: bytes) -> None:
+        if self.complete:
+            return
         self.chunks.append(body)
         self.buffered += len(body)
 
@@ -226,7 +234,8 @@ class H1Transport(httpx.AsyncBaseTransport):
         try:
             content = request.content
         except httpx.RequestNotRead:
-            raise NotImplementedError("H1Transport sends bytes bodies only (model requests).") from None
+            raise NotImplementedError("H1Transport sends bytes bodies only; read the body first.") from None
+        head_only = request.method == "HEAD"
         await self._acquire(timeout.get("pool"))
         key = (request.url.scheme, request.url.host, request.url.port or (443 if request.url.scheme == "https"
                                                                           else 80))
@@ -242,6 +251,7 @@ class H1Transport(httpx.AsyncBaseTransport):
                 conn.last_data = conn.loop.time()
                 assert conn.transport is not None
                 conn.transport.write(head)
+                conn.head_only = head_only
                 while not conn.headers_done and conn.error is None:
                     await conn.wait()
                 if conn.headers_done:
@@ -317,9 +327,11 @@ class H1Transport(httpx.AsyncBaseTransport):
     async def _connect(self, key: tuple[str, str, int], connect_timeout: float | None) -> _Conn:
         scheme, host, port = key
         loop = asyncio.get_running_loop()
-        tls = self._ssl if scheme == "https" else None
-        if scheme == "https" and tls is None:
-            tls = ssl.create_default_context()
+        tls = None
+        if scheme == "https":
+            if self._ssl is None:
+                self._ssl = httpx.create_ssl_context()  # certifi's bundle, as httpx's own transport
+            tls = self._ssl
         try:
             async with asyncio.timeout(connect_timeout):
                 _, conn = await loop.create_connection(lambda: _Conn(loop), host, port, ssl=tls,
