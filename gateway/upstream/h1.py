@@ -38,7 +38,7 @@ __all__ = ["DIRECT_BODY", "H1Transport"]
 DIRECT_BODY = "gateway.direct_body"  # response extension: the body stream, for readers that skip httpx's decoders
 
 # Reading pauses while this much body is buffered unread (the client is slower than the upstream).
-HIGH_WATER = 1 << 20
+HIGH_WATER = 1 << 17
 
 
 class _Conn(asyncio.Protocol):
