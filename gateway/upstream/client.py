@@ -221,7 +221,8 @@ class UpstreamClient:
             response = await transport.handle_async_request(request)
         except httpx.HTTPError as exc:
             raise map_transport_error(exc) from exc
-        response.request = request
+        # The request (its serialized body: the whole conversation, for a long agent session hundreds of KB) is
+        # not attached to the response, which lives as long as the stream: nothing reads it back.
         return UpstreamResponse(response)
 
     async def post_json(self, path: str, body: Mapping[str, Any], client_headers: Mapping[str, str]
