@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import orjson
 import pytest
 
@@ -102,7 +100,7 @@ def test_the_first_too_deep_place_in_document_order_is_named() -> None:
     assert info.value.param is not None and info.value.param.startswith("z.a[0]")
 
 
-def test_wide_shallow_bodies_pass_and_the_check_is_cheap() -> None:
+def test_wide_shallow_bodies_pass() -> None:
     tool = {"type": "function", "name": "f", "description": "d" * 200, "parameters": {
         "type": "object", "properties": {f"p{i}": {"type": "string", "description": "x" * 50} for i in range(10)}}}
     msg = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hello " * 80}]}
@@ -110,10 +108,8 @@ def test_wide_shallow_bodies_pass_and_the_check_is_cheap() -> None:
     body = {"model": "m", "tools": [tool] * 20, "input": [msg, call] * 1500, "x": [[0] * 10] * 5000}
     raw = orjson.dumps(body)
     assert len(raw) > 1_000_000
-    started = time.perf_counter()
-    check_depth(orjson.loads(raw))
-    # About 2 ms on a laptop; a generous bound that still catches anything quadratic.
-    assert time.perf_counter() - started < 0.5
+    check_depth(orjson.loads(raw))  # wide but only 5 deep: no error (its cost is a benchmark's business, not a test's)
+    assert parse_request_body(raw)["model"] == "m"
 
 
 @pytest.mark.parametrize(("include", "param"), [
