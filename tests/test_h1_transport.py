@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 
 import httpx
 import pytest
@@ -330,3 +332,65 @@ async def test_a_head_answer_has_no_body_whatever_its_content_length_says() -> N
         assert r.headers["content-length"] == "1000"
         assert await asyncio.wait_for(_read(r), 2) == b""
         await t.aclose()
+
+
+def _self_signed(tmp: Path) -> tuple[Path, Path]:
+    """A certificate for 'localhost' (and 127.0.0.1), and its key, written to tmp."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=1))
+            .not_valid_after(now + datetime.timedelta(hours=1))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
+                                                        x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                           critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    cert_path, key_path = tmp / "cert.pem", tmp / "key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return cert_path, key_path
+
+
+async def test_https_verifies_the_certificate_and_sends_sni(tmp_path: Path) -> None:
+    cert, key = _self_signed(tmp_path)
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_ctx.load_cert_chain(cert, key)
+    seen: list[str | None] = []
+    server_ctx.sni_callback = lambda sock, name, ctx: seen.append(name)  # type: ignore[assignment,func-returns-value]
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError, ssl.SSLError):
+            while True:
+                await reader.readuntil(b"\r\n\r\n")
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 6\r\n\r\nsecure")
+                await writer.drain()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0, ssl=server_ctx)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        trusting = ssl.create_default_context(cafile=str(cert))
+        t = H1Transport(limits=httpx.Limits(max_connections=4, max_keepalive_connections=4, keepalive_expiry=5),
+                        ssl_context=trusting)
+        for _ in range(2):
+            r = await t.handle_async_request(_post(f"https://localhost:{port}"))
+            assert await _read(r) == b"secure"
+        assert seen == ["localhost"] and t.connections_opened == 1  # one handshake, then kept alive
+        await t.aclose()
+        # the default context (certifi's bundle) does not trust a self-signed certificate: a connect error
+        t = H1Transport(limits=httpx.Limits(max_connections=4))
+        with pytest.raises(httpx.ConnectError):
+            await t.handle_async_request(_post(f"https://localhost:{port}"))
+        await t.aclose()
+    finally:
+        server.close()

@@ -101,7 +101,11 @@ class GrammarTakeover:
                         async for rest in batches:
                             yield rest
                         return
-                    await up.aclose()  # vLLM aborts the generation it no longer needs
+                    try:
+                        await up.aclose()  # vLLM aborts the generation it no longer needs
+                    except BaseException:  # cancelled right here: the step, not yet read, is closed too
+                        await step.aclose()
+                        raise
                     self.taken_over = True
                     async with contextlib.aclosing(self._continue(step, *found)) as continued:
                         async for out in continued:
