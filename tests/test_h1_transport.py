@@ -263,6 +263,15 @@ async def test_past_max_connections_a_request_waits_for_a_free_one_then_times_ou
         assert not waiting.done()
         assert await _read(first) == b"ok"  # frees the slot: the waiter goes on, on the same connection
         assert await _read(await asyncio.wait_for(waiting, 2)) == b"ok"
+        # a waiter that gives up (its client left) neither takes nor loses the slot
+        held = await t.handle_async_request(_post(url))
+        leaving = asyncio.create_task(t.handle_async_request(_post(url)))
+        await asyncio.sleep(0.05)
+        leaving.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await leaving
+        assert await _read(held) == b"ok"
+        assert await _read(await asyncio.wait_for(t.handle_async_request(_post(url)), 2)) == b"ok"
         assert srv.accepted == 1
         await t.aclose()
 

@@ -287,11 +287,13 @@ class H1Transport(httpx.AsyncBaseTransport):
         try:
             async with asyncio.timeout(pool_timeout):
                 await slot
-        except TimeoutError:
-            raise httpx.PoolTimeout("No upstream connection became free in time.") from None
-        except BaseException:
+        except BaseException as exc:  # timed out or cancelled
             if slot.done() and not slot.cancelled():
-                self._release_slot()  # granted while we were leaving: pass it on
+                self._release_slot()  # granted at the moment we gave up: pass it on
+            else:
+                slot.cancel()
+            if isinstance(exc, TimeoutError):
+                raise httpx.PoolTimeout("No upstream connection became free in time.") from None
             raise
 
     def _release_slot(self) -> None:
