@@ -394,10 +394,11 @@ class ResponsesHandler:
         does, so a pinned violation becomes ``response.failed``.
         """
         feed = translator.feed
+        source = self.drain.guard(batches) if self.drain is not None else batches
         try:
             out: list[bytes] = []
             try:
-                async for events in (self.drain.guard(batches) if self.drain is not None else batches):
+                async for events in source:
                     for event, data in events:
                         out += feed(event, data)
                         if translator.finished or translator.round_done:
@@ -447,9 +448,12 @@ class ResponsesHandler:
                 # Counts only: a custom tool's input never reaches the logs.
                 log.debug("custom_input_not_input_json", request_id=record.request_id, raw=stats.raw_inputs,
                           mismatches=stats.input_mismatches)
-            aclose = getattr(batches, "aclose", None)
-            if aclose is not None:
-                await aclose()
+            # Closed here, in order, rather than left to the garbage collector: an async generator abandoned
+            # at a break is finalized later by a task the event loop creates for it, once per response.
+            for gen in ((source, batches) if source is not batches else (batches,)):
+                aclose = getattr(gen, "aclose", None)
+                if aclose is not None:
+                    await aclose()
             if translator.acc.terminal is not None and not stats.overflowed:
                 # The upstream's own terminal event ended the answer: read the rest of its body (bounded) so
                 # the connection goes back to the pool (release() drops it instead if the task is cancelled).
