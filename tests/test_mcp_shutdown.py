@@ -44,10 +44,12 @@ def test_sigterm_fails_a_running_mcp_call_after_the_drain(mcp_fixture_server: Mc
                                                         "stream": True}, timeout=60)
             result["events"] = sse_events(r.content)
 
+        # The fixture server is shared by the session and other tests call `sleep` too: wait for this call.
+        before = len(mcp_fixture_server.calls())
         client = threading.Thread(target=run)
         client.start()
         deadline = 0
-        while not any(c["tool"] == "sleep" for c in mcp_fixture_server.calls()):
+        while not any(c["tool"] == "sleep" for c in mcp_fixture_server.calls()[before:]):
             deadline += 1
             assert deadline < 200, "the call never reached the server"
             threading.Event().wait(0.05)
