@@ -317,6 +317,7 @@ class ToolLoop:
         finally:
             for task in tasks:
                 task.cancel()
+            await source.aclose()  # now, not when the collector finds it (a client that left stops us mid-loop)
 
     async def _run_approved(self, request: Mapping[str, Any], response: Mapping[str, Any]) -> dict[str, Any]:
         label, name, arguments = str(request.get("server_label")), str(request.get("name")), str(
