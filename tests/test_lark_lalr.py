@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gateway.enforce.validate import _rewrite_zero_width, load_lark
+from tests.test_live_vllm_enforce import LARK_PATCH
 
 CODEX_APPLY_PATCH = r"""start: begin_patch hunk+ end_patch
 begin_patch: "*** Begin Patch" LF
@@ -36,17 +37,7 @@ eof_line: "*** End of File" LF
 """
 
 # The bounded form the live enforcement tests use (loads in lark as written).
-BOUNDED_PATCH = r"""start: begin_patch hunk+ end_patch
-begin_patch: "*** Begin Patch" LF
-end_patch: "*** End Patch" LF?
-hunk: add_hunk | delete_hunk
-add_hunk: "*** Add File: " FILENAME LF add_line+
-delete_hunk: "*** Delete File: " FILENAME LF
-add_line: "+" TEXT? LF
-FILENAME: /[a-z][a-z0-9_]{0,11}\.txt/
-TEXT: /[^\n]{1,32}/
-%import common.LF
-"""
+BOUNDED_PATCH = LARK_PATCH
 
 GRAMMARS = {"codex": CODEX_APPLY_PATCH, "bounded": BOUNDED_PATCH}
 
