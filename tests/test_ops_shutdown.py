@@ -50,7 +50,8 @@ def gateway_process(upstream: str, **env: str) -> Iterator[tuple[str, subprocess
 def refuses_connections(url: str) -> bool:
     try:
         httpx.get(url + "/healthz", timeout=1)
-    except httpx.ConnectError:
+    except (httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError):
+        # refused, or accepted into the backlog at the moment the listener closed and then reset: not served
         return True
     return False
 
