@@ -7,6 +7,7 @@ the README table and the tests all read that table, so a flag can never exist wi
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
@@ -22,6 +23,17 @@ def _csv(value: str) -> tuple[str, ...]:
 
 def _bool(value: str) -> bool:
     return value.strip().lower() in {"1", "true", "yes", "on"}
+
+
+# vLLM's public inference endpoints: what the pass-through proxy forwards by default. Its admin and development
+# endpoints (/sleep, /wake_up, /collective_rpc, /reset_prefix_cache, ...) are never reachable through the gateway
+# unless an operator lists them.
+DEFAULT_PROXY_PATHS: tuple[str, ...] = (
+    "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models", "/v1/messages",
+    "/v1/messages/count_tokens", "/tokenize", "/detokenize", "/v1/audio/transcriptions", "/v1/audio/translations",
+    "/v1/score", "/v1/rerank", "/pooling", "/classify", "/version",
+)
+LOOPBACK_HOST_NAMES: tuple[str, ...] = ("localhost", "127.0.0.1", "[::1]", "::1")
 
 
 @dataclass(frozen=True)
@@ -91,6 +103,28 @@ OPTIONS: tuple[Option, ...] = (
     Option("reasoning_key", "--reasoning-key", "GATEWAY_REASONING_KEY", str,
            "Base64 AES-256 keys (comma-separated; the first seals) for reasoning encrypted_content; unset: a "
            "random key per process.", secret=True),
+    Option("max_websocket_connections", "--max-websocket-connections", "GATEWAY_MAX_WEBSOCKET_CONNECTIONS", int,
+           "Open WebSocket connections on /v1/responses before the handshake is answered 503."),
+    Option("body_read_timeout", "--body-read-timeout", "GATEWAY_BODY_READ_TIMEOUT", float,
+           "Seconds a request body may take to arrive before 408; the concurrency slot is taken after it."),
+    Option("max_history_bytes", "--max-history-bytes", "GATEWAY_MAX_HISTORY_BYTES", int,
+           "Bytes of history (chain, conversation, item references) one request may resolve before 400."),
+    Option("max_mcp_servers_per_request", "--max-mcp-servers-per-request", "GATEWAY_MAX_MCP_SERVERS_PER_REQUEST", int,
+           "Distinct MCP servers one request may name before 400."),
+    Option("max_background_per_key", "--max-background-per-key", "GATEWAY_MAX_BACKGROUND_PER_KEY", int,
+           "Background responses one API key may run at once before 429; unset: a quarter of "
+           "--max-background-responses; not applied without API keys."),
+    Option("allowed_hosts", "--allowed-hosts", "GATEWAY_ALLOWED_HOSTS", _csv,
+           "Comma-separated Host header values answered ('*' = any); unset: loopback names only when bound to a "
+           "loopback address without API keys, else '*'. /healthz, /readyz and /metrics are exempt."),
+    Option("allowed_origins", "--allowed-origins", "GATEWAY_ALLOWED_ORIGINS", _csv,
+           "Comma-separated Origin values allowed on requests and WebSocket handshakes ('*' = any); a request "
+           "carrying another Origin gets 403. Empty: none."),
+    Option("proxy_paths", "--proxy-paths", "GATEWAY_PROXY_PATHS", _csv,
+           "Comma-separated upstream paths the pass-through proxy forwards; anything else is 404."),
+    Option("sqlite_synchronous", "--sqlite-synchronous", "GATEWAY_SQLITE_SYNCHRONOUS", str,
+           "SQLite's synchronous pragma: full (a commit survives power loss) or normal (faster; the last commits "
+           "can be lost on power loss).", choices=("full", "normal")),
 )
 
 
@@ -122,6 +156,15 @@ class Settings:
     mcp_call_timeout: float = 60.0
     reasoning_key: str | None = field(default=None, repr=False)
     websocket_idle_timeout: float = 300.0
+    max_websocket_connections: int = 256
+    body_read_timeout: float = 30.0
+    max_history_bytes: int = 32 * 1024 * 1024
+    max_mcp_servers_per_request: int = 8
+    max_background_per_key: int | None = None
+    allowed_hosts: tuple[str, ...] | None = None
+    allowed_origins: tuple[str, ...] = ()
+    proxy_paths: tuple[str, ...] = DEFAULT_PROXY_PATHS
+    sqlite_synchronous: Literal["full", "normal"] = "full"
 
     def all_api_keys(self) -> tuple[str, ...]:
         keys = list(self.api_keys)
@@ -129,6 +172,30 @@ class Settings:
             with open(self.api_keys_file, encoding="utf-8") as fh:
                 keys.extend(line.strip() for line in fh if line.strip() and not line.startswith("#"))
         return tuple(keys)
+
+    def background_per_key(self) -> int:
+        """The per-key bound on background responses (applied only under API keys)."""
+        if self.max_background_per_key is not None:
+            return self.max_background_per_key
+        return max(1, self.max_background_responses // 4)
+
+    def is_loopback_bind(self) -> bool:
+        host = self.host.strip("[]")
+        if host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            return False
+
+    def effective_allowed_hosts(self) -> tuple[str, ...]:
+        """``--allowed-hosts``, or its default: loopback names only for a keyless gateway bound to loopback (a
+        developer's machine, where DNS rebinding is the threat), ``*`` otherwise."""
+        if self.allowed_hosts is not None:
+            return self.allowed_hosts
+        if self.is_loopback_bind() and not self.all_api_keys():
+            return LOOPBACK_HOST_NAMES
+        return ("*",)
 
     def with_overrides(self, **kwargs: Any) -> Settings:
         return replace(self, **kwargs)
@@ -171,4 +238,6 @@ def load_settings(args: argparse.Namespace | None = None, env: Mapping[str, str]
     return Settings(**values)
 
 
-__all__ = ["OPTIONS", "Settings", "_bool", "add_arguments", "load_settings"]
+__all__ = [
+    "DEFAULT_PROXY_PATHS", "LOOPBACK_HOST_NAMES", "OPTIONS", "Settings", "_bool", "add_arguments", "load_settings",
+]
