@@ -127,8 +127,8 @@ class HostOriginGuard:
             await self.app(scope, receive, send)
             return
         reason = "host" if exc.code == "host_not_allowed" else "origin"
-        # Neither value is logged: both are client-chosen strings.
-        log.info("request_refused", reason=reason, path=scope.get("path"), websocket=scope["type"] == "websocket")
+        # Neither value (nor the path) is logged: all are client-chosen strings.
+        log.info("request_refused", reason=reason, websocket=scope["type"] == "websocket")
         if self.on_refused is not None:
             self.on_refused(reason)
         response = error_response(exc, headers={"connection": "close"} if scope["type"] == "http" else None)
