@@ -3,7 +3,9 @@
 One connection per session. Each ``{"type": "response.create", …request body…}`` message is one response; its
 streaming events go back as text frames holding each event's JSON (what SSE carries in ``data:``), in order,
 ending with the terminal event. Messages run one at a time, in order (later ones wait in a bounded queue).
-Everything the HTTP path does applies — the frames come from the same producer (``ResponsesHandler.respond``).
+Everything the HTTP path does applies — the frames come from the same producer (``ResponsesHandler.respond``) —
+including ``--max-concurrency``: a response takes a slot for its life (none free: an error frame with status 429).
+``--max-websocket-connections`` bounds the open connections (beyond it the handshake is answered 503).
 
 Connection state: recent responses, so ``previous_response_id`` works with ``store: false`` (bounded in
 responses and bytes, gone with the connection). Errors are ``{"type": "error", "status", "error": {…}}`` frames
