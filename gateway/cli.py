@@ -8,6 +8,8 @@ import os
 import sys
 import tempfile
 
+import structlog
+
 from gateway.config import Settings, add_arguments, load_settings
 
 __all__ = ["main"]
@@ -25,6 +27,26 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def startup_warnings(settings: Settings) -> list[tuple[str, str]]:
+    """``(event, message)`` for each risky combination of settings, logged once at start-up."""
+    warnings = []
+    keyless = not settings.all_api_keys()
+    if keyless and not settings.is_loopback_bind():
+        warnings.append(("keyless_gateway_on_network",
+                         f"No API keys and bound to {settings.host}: anyone who reaches this address can use the "
+                         "gateway (its upstream, stored responses, MCP servers). Set GATEWAY_API_KEYS or bind to "
+                         "127.0.0.1."))
+    if keyless and "*" in settings.effective_allowed_hosts() and settings.is_loopback_bind():
+        warnings.append(("any_host_on_loopback",
+                         "--allowed-hosts '*' on a keyless loopback gateway: web pages can read it through DNS "
+                         "rebinding."))
+    if "*" in settings.allowed_origins:
+        warnings.append(("any_origin",
+                         "--allowed-origins '*': any web page the browsers that reach this gateway open may send "
+                         "it requests."))
+    return warnings
+
+
 def run(settings: Settings, *, demo: bool = False) -> int:
     import uvicorn
 
@@ -33,6 +55,9 @@ def run(settings: Settings, *, demo: bool = False) -> int:
     from gateway.server.shutdown import serve_until_stopped
 
     configure_logging(settings.log_level)
+    log = structlog.get_logger("gateway.cli")
+    for event, message in startup_warnings(settings):
+        log.warning(event, message=message)
     transport = None
     if demo:
         from gateway.demo import demo_transport

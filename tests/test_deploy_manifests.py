@@ -307,3 +307,36 @@ def test_contract_env_names_exist_in_gateway_settings() -> None:
         pytest.skip(f"gateway.config.OPTIONS not importable yet: {exc}")
     known = {opt.env for opt in OPTIONS}
     assert known >= CONTRACT_ENV, CONTRACT_ENV - known
+
+
+# ------------------------------------------------------------------ Host/Origin rules vs probes and scrapers
+@pytest.mark.parametrize(("renderer", "mode"), RENDERS, ids=RENDER_IDS)
+def test_probes_and_scrapes_pass_the_host_and_origin_rules(renderer: str, mode: str) -> None:
+    """The manifests bind to every address, so the Host rule defaults to '*' (the API-key secrets are optional:
+    this is the keyless case), and the probe and scrape paths are exempt from any --allowed-hosts list anyway
+    (kubelet and Prometheus name the pod IP); probes send no Origin."""
+    from starlette.testclient import TestClient
+
+    from gateway.config import load_settings
+    from gateway.server import create_app
+    from gateway.server.guard import EXEMPT_PATHS
+
+    objs = rendered(renderer, mode)
+    env = {k: v for k, v in gateway_env(objs).items() if isinstance(v, str)}
+    settings = load_settings(None, env=env, store="none", upstream_url="http://127.0.0.1:9")
+    assert not settings.is_loopback_bind() and settings.effective_allowed_hosts() == ("*",)
+    gw = container(objs, "gateway")
+    probes = [gw[p]["httpGet"] for p in ("livenessProbe", "readinessProbe")]
+    ann = one(objs, "Deployment")["spec"]["template"]["metadata"]["annotations"]
+    paths = {p["path"] for p in probes} | {ann["prometheus.io/path"]}
+    assert paths <= EXEMPT_PATHS
+    assert not any(h["name"].lower() in ("origin", "host") for p in probes for h in p.get("httpHeaders", []))
+    pod_ip = "http://10.1.2.3:8080"
+    for listed in (None, ("gateway.example",)):  # the default, and an operator's list that omits the pod IP
+        app = create_app(settings.with_overrides(allowed_hosts=listed) if listed else settings)
+        with TestClient(app, base_url=pod_ip) as client:
+            answers = {path: client.get(path).status_code for path in sorted(paths)}
+            api = client.get("/v1/models").status_code
+        assert all(status != 403 for status in answers.values()), answers
+        assert answers["/healthz"] == 200 and answers["/metrics"] == 200
+        assert (api == 403) == (listed is not None)

@@ -168,7 +168,8 @@ class InProcessGateway:
         self.runner = asyncio.Runner()
         self.lifespan = self.app.router.lifespan_context(self.app)
         self.runner.run(self.lifespan.__aenter__())
-        self.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app), base_url="http://gateway.test")
+        # 127.0.0.1: a Host the default rule of a keyless gateway bound to loopback answers
+        self.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app), base_url="http://127.0.0.1")
         first = self.post(orjson.dumps(_WARM_UP))
         assert first.status_code == 200, first.text
         self.previous = first.json()["id"]  # every fuzzed previous_response_id names this stored response

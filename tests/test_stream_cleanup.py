@@ -60,7 +60,7 @@ async def _post(app: Callable[..., Awaitable[None]], body: bytes) -> list[dict[s
 
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
              "path": "/v1/responses", "raw_path": b"/v1/responses", "query_string": b"", "root_path": "",
-             "headers": [(b"content-type", b"application/json")], "client": ("127.0.0.1", 1),
+             "headers": [(b"host", b"127.0.0.1"), (b"content-type", b"application/json")], "client": ("127.0.0.1", 1),
              "server": ("127.0.0.1", 2), "state": {}}
     await app(scope, receive, send)
     return sent

@@ -30,10 +30,21 @@ from gateway.errors import (
     Unauthorized,
 )
 from gateway.server.auth import ApiKeyAuth, GatewayAuthMiddleware, request_owner, unauthorized, verdict
-from gateway.server.background import BackgroundRuns
+from gateway.server.background import BackgroundPerKeyLimit, BackgroundRuns
 from gateway.server.conversations import ConversationsApi
+from gateway.server.guard import HostOriginGuard
 from gateway.server.health import Readiness
-from gateway.server.http import OrjsonResponse, SseResponse, cancel_on_disconnect, error_response, list_query
+from gateway.server.http import (
+    CLIENT_CLOSED_REQUEST,
+    BodyTimeout,
+    ClientLeft,
+    OrjsonResponse,
+    SseResponse,
+    buffer_body,
+    cancel_on_disconnect,
+    error_response,
+    list_query,
+)
 from gateway.server.limits import ConcurrencyLimiter, Slot, limited_stream
 from gateway.server.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
 from gateway.server.observe import Observer, ensure_logging
@@ -99,10 +110,14 @@ def _left(record: RequestRecord) -> None:
 def _rejection(exc: GatewayError) -> str | None:
     if isinstance(exc, Unauthorized):
         return "unauthorized"
+    if isinstance(exc, BackgroundPerKeyLimit):
+        return "background_per_key"
     if isinstance(exc, RateLimited):
         return "concurrency"
     if isinstance(exc, PayloadTooLarge):
         return "body_too_large"
+    if isinstance(exc, BodyTimeout):
+        return "body_timeout"
     if isinstance(exc, ServiceUnavailable) and exc.code == "gateway_shutting_down":
         return "draining"
     return None
@@ -131,8 +146,9 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
     metrics.in_flight.set_function(lambda: limiter.active)
     services: dict[str, Any] = {}
 
-    def admit(request: Request) -> Slot:
-        """Checks every gateway request passes before its handler runs, cheapest and most telling first."""
+    async def admit(request: Request) -> tuple[Request, Slot]:
+        """Checks every gateway request passes before its handler runs, cheapest and most telling first; the
+        request returned has its body read (bounded in bytes and time) before the concurrency slot is taken."""
         if auth.enabled:
             authorized, presented = verdict(request.scope)
             if not authorized:
@@ -140,7 +156,8 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
         if drain.draining:
             raise ServiceUnavailable("The gateway is shutting down; retry on another instance.",
                                      code="gateway_shutting_down", headers={"connection": "close"})
-        return limiter.acquire()
+        request = await buffer_body(request, settings.max_body_bytes, settings.body_read_timeout)
+        return request, limiter.acquire()
 
     def wrap(route: str, handler: Handler) -> Callable[[Request], Awaitable[Response]]:
         async def endpoint(request: Request) -> Response:
@@ -149,14 +166,17 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
             observer.begin(record)
             slot: Slot | None = None
             try:
-                slot = admit(request)
+                request, slot = await admit(request)
                 response = await handler(request, record)
             except GatewayError as exc:
                 record.error_code = exc.code
                 reason = _rejection(exc)
                 if reason is not None:
-                    metrics.rejected.labels(reason).inc()
+                    metrics.reject(reason)
                 response = error_response(exc)
+            except ClientLeft:  # gone before its body was complete: nothing to answer, a 499 in the log
+                record.disconnected = True
+                response = Response(status_code=CLIENT_CLOSED_REQUEST)
             except Exception as exc:  # never a traceback to the client; the log has the type, not the payload
                 log.error("unhandled_error", request_id=record.request_id, route=route, error=type(exc).__name__,
                           exc_info=settings.log_level == "debug")
@@ -277,8 +297,10 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
                 sweeper = asyncio.create_task(run_sweeper(st, int(settings.store_ttl),
                                                           interval=min(300.0, max(1.0, settings.store_ttl / 10))))
             # Background responses: runs, leases, and the sweep of those whose replica stopped (at start-up too).
+            # Per key only under API keys: without them every client is the one owner (None).
             runs = BackgroundRuns(st, limit=settings.max_background_responses, drain=drain,
-                                  drain_timeout=settings.drain_timeout)
+                                  drain_timeout=settings.drain_timeout,
+                                  per_owner=settings.background_per_key() if auth.enabled else 0)
             await runs.start()
         services.update(upstream=upstream, store=st, background=runs,
                         responses=ResponsesHandler(settings=settings, upstream=upstream, store=st, drain=drain,
@@ -329,7 +351,7 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
                         media_type=up.headers.get("content-type", CONTENT_TYPE_LATEST))
 
     socket = ResponsesSocket(lambda: services["responses"], settings=settings, observer=observer, metrics=metrics,
-                             drain=drain, auth_enabled=auth.enabled)
+                             drain=drain, auth_enabled=auth.enabled, limiter=limiter)
 
     async def websocket_responses(ws: WebSocket) -> None:  # a function: starlette treats objects as ASGI apps
         await socket(ws)
@@ -354,6 +376,10 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
     # With gateway keys and no upstream key, the client's Authorization is the gateway key: never forward it.
     middleware = [Middleware(GatewayAuthMiddleware, auth=auth,  # type: ignore[arg-type]
                              strip=not settings.upstream_api_key)] if auth.enabled else []
+    # Outermost: a request for a foreign Host or from a foreign Origin reaches nothing else (WebSocket included).
+    guard = Middleware(HostOriginGuard, allowed_hosts=settings.effective_allowed_hosts(),  # type: ignore[arg-type]
+                       allowed_origins=settings.allowed_origins, on_refused=metrics.reject)
+    middleware.insert(0, guard)
     app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware)
     app.state.settings = settings
     app.state.observer = observer

@@ -62,7 +62,7 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("gateway.background")
 
-__all__ = ["STOPPED_ERROR", "BackgroundRuns", "RunIdentity"]
+__all__ = ["STOPPED_ERROR", "BackgroundPerKeyLimit", "BackgroundRuns", "RunIdentity"]
 
 LEASE_SECONDS = 15.0
 HEARTBEAT_SECONDS = 3.0
@@ -154,13 +154,18 @@ class _Cursor:
         self.progressed = False
 
 
+class BackgroundPerKeyLimit(RateLimited):
+    """429: the caller's key already runs ``--max-background-per-key`` background responses here."""
+
+
 class BackgroundRuns:
     """The background runs of this process, and the followers of any replica's."""
 
     def __init__(self, store: ResponseStore, *, limit: int = 64, drain: Drain | None = None,
-                 drain_timeout: float = 0.0) -> None:
+                 drain_timeout: float = 0.0, per_owner: int = 0) -> None:
         self.store = store
         self.limit = limit
+        self.per_owner = per_owner  # runs one owner (API key) may have at once here; 0: no per-owner bound
         self.drain = drain
         self.drain_timeout = drain_timeout
         self.lease_owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
@@ -223,6 +228,11 @@ class BackgroundRuns:
         if len(self.runs) >= self.limit:
             raise RateLimited(f"This gateway is running its maximum of {self.limit} background responses; "
                               "retry shortly.", headers={"retry-after": "1"})
+        if owner is not None and self.per_owner > 0 and \
+                sum(1 for r in self.runs.values() if r.owner == owner) >= self.per_owner:
+            # One key must not take every slot of the replica from the others.
+            raise BackgroundPerKeyLimit(f"This API key is running its maximum of {self.per_owner} background "
+                                        "responses on this gateway; retry shortly.", headers={"retry-after": "1"})
         identity = RunIdentity(new_id("resp"), int(time.time()))
         ctx = resolve_tool_context(body)  # a malformed tool is a 400 here, not a failed run
         state = build_request_state(body, ctx, response_id=identity.response_id, created_at=identity.created_at)

@@ -16,8 +16,8 @@ from starlette.types import Message, Receive, Scope, Send
 from gateway.errors import GatewayError, InvalidRequest, PayloadTooLarge
 from gateway.server.decompress import body_decoder
 
-__all__ = ["CLIENT_CLOSED_REQUEST", "OrjsonResponse", "SseResponse", "cancel_on_disconnect", "error_response",
-           "list_query", "read_body"]
+__all__ = ["CLIENT_CLOSED_REQUEST", "BodyTimeout", "ClientLeft", "OrjsonResponse", "SseResponse", "buffer_body",
+           "cancel_on_disconnect", "error_response", "list_query", "read_body"]
 
 # nginx's status for "the client closed the connection before the answer": logged and counted, never sent.
 CLIENT_CLOSED_REQUEST = 499
@@ -46,6 +46,62 @@ def list_query(query: Any) -> tuple[int, str]:
     if order not in ("asc", "desc"):
         raise InvalidRequest("'order' must be 'asc' or 'desc'.", param="order", code="invalid_value")
     return limit, str(order)
+
+
+class BodyTimeout(GatewayError):
+    """The request body did not arrive within ``--body-read-timeout``."""
+
+    status = 408
+    code = "request_timeout"
+
+
+class ClientLeft(Exception):
+    """The client disconnected before its request body was complete."""
+
+
+async def buffer_body(request: Request, limit: int, timeout: float) -> Request:
+    """The request with its body already received: the wire bytes (still encoded) are read here, bounded by
+    ``limit`` bytes (413) and ``timeout`` seconds in all (408), and the returned request replays them, so the
+    handler's own reading (``read_body``, decompression, the proxy's stream) is unchanged. After the body,
+    ``receive`` is the connection's again (disconnect watchers keep working).
+
+    Why before the concurrency slot: a client trickling its body would otherwise hold a slot for as long as it
+    likes, and a few such sockets refuse everyone else.
+    """
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"The request body is {declared} bytes; the limit is {limit} bytes.")
+    receive = request.receive
+    chunks: list[bytes] = []
+    received = 0
+    try:
+        async with asyncio.timeout(timeout if timeout > 0 else None):
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    raise ClientLeft
+                chunk = message.get("body", b"")
+                received += len(chunk)
+                if received > limit:
+                    raise PayloadTooLarge(f"The request body exceeds the limit of {limit} bytes.")
+                if chunk:
+                    chunks.append(chunk)
+                if not message.get("more_body", False):
+                    break
+    except TimeoutError:
+        raise BodyTimeout(f"The request body did not arrive within {timeout:g} seconds.",
+                          headers={"connection": "close"}) from None
+    body = b"".join(chunks)
+    replayed = False
+
+    async def replay() -> Message:
+        nonlocal replayed
+        if not replayed:
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return Request(request.scope, replay)
 
 
 async def read_body(request: Request, limit: int) -> bytes:

@@ -2,7 +2,9 @@
 
 Refusing instead of queueing keeps latency honest (a queued request would hold a client connection and
 count against nobody), and ``Retry-After`` tells SDKs (which retry 429s) when to come back. A slot is held
-until the response's last byte is sent, so a stream counts for its whole life.
+until the response's last byte is sent, so a stream counts for its whole life, and it is taken only once the
+request body has arrived (``gateway.server.http.buffer_body``): a client trickling its body holds none. A WebSocket
+``response.create`` takes one from the same limiter for its response's life.
 """
 
 from __future__ import annotations

@@ -48,10 +48,10 @@ METRICS: tuple[MetricSpec, ...] = (
                "Requests counted against --max-concurrency (streams count until they end)."),
     MetricSpec(PREFIX + "rejected_requests", "counter", ("reason",),
                "Requests refused before reaching the upstream: unauthorized, concurrency, body_too_large, "
-               "draining."),
+               "body_timeout, draining, host, origin, websocket_connections, background_per_key."),
     MetricSpec(PREFIX + "upstream_errors", "counter", ("kind",),
                "Upstream failures: http_<status>, idle_timeout, stream_broken, upstream_unavailable, "
-               "upstream_timeout, upstream_error."),
+               "upstream_timeout, upstream_error (other: a status outside 100-599)."),
     MetricSpec(PREFIX + "tool_calls", "counter", ("kind",),
                "Tool calls returned to clients, by kind (custom: translated back from a function call)."),
     MetricSpec(PREFIX + "unnamed_call_held_bytes", "histogram", (),
@@ -65,7 +65,8 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(PREFIX + "streams_aborted_on_shutdown", "counter", (),
                "Streams ended with response.failed (gateway_shutting_down) after the drain period."),
     MetricSpec(PREFIX + "websocket_connections", "gauge", (), "Open WebSocket connections on /v1/responses."),
-    MetricSpec(PREFIX + "websocket_messages", "counter", ("type",), "WebSocket messages received, by type."),
+    MetricSpec(PREFIX + "websocket_messages", "counter", ("type",),
+               "WebSocket messages received, by type: response.create, other (any other type), invalid (no type)."),
     MetricSpec(PREFIX + "reasoning_blobs_rejected", "counter", (),
                "Reasoning encrypted_content blobs that did not open (another key, tampered); dropped."),
     MetricSpec(PREFIX + "mcp_calls", "counter", ("server_label", "outcome"),
@@ -93,6 +94,22 @@ _BUCKETS = {
 
 # Only these error codes of the gateway's own errors are upstream failures (the rest are client errors).
 _UPSTREAM_CODES = frozenset({"upstream_unavailable", "upstream_timeout", "upstream_error"})
+
+# Label values are a closed set: anything else becomes "other", so no client (nor upstream) can mint series on an
+# unauthenticated /metrics. The values below are the gateway's own constants.
+OTHER = "other"
+_UPSTREAM_KINDS = frozenset({"idle_timeout", "stream_broken", *_UPSTREAM_CODES,
+                             *(f"http_{status}" for status in range(100, 600))})
+_TOOL_KINDS = frozenset({"custom", "function"})
+_ENFORCEMENT_OUTCOMES = frozenset({"pinned", "picked", "regenerated", "violated", "valid", "unchecked",
+                                   "constrained", "step_failed"})
+_REJECTIONS = frozenset({"unauthorized", "concurrency", "body_too_large", "body_timeout", "draining", "host",
+                         "origin", "websocket_connections", "background_per_key"})
+
+
+def bounded(value: str, known: frozenset[str]) -> str:
+    """``value`` when it is one of ``known``, else ``other``."""
+    return value if value in known else OTHER
 
 
 class GatewayMetrics:
@@ -129,6 +146,10 @@ class GatewayMetrics:
         self.websocket_messages: Counter = built["websocket_messages"]  # type: ignore[assignment]
         self.mcp_duration: Histogram = built["mcp_call_duration_seconds"]  # type: ignore[assignment]
 
+    def reject(self, reason: str) -> None:
+        """One request refused before its handler ran (``rejected_requests_total{reason}``)."""
+        self.rejected.labels(bounded(reason, _REJECTIONS)).inc()
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -142,10 +163,10 @@ class GatewayMetrics:
             self.ttfb.labels(record.route, stream).observe(record.ttfb)
         kind = record.upstream_error or (record.error_code if record.error_code in _UPSTREAM_CODES else None)
         if kind:
-            self.upstream_errors.labels(kind).inc()
+            self.upstream_errors.labels(bounded(kind, _UPSTREAM_KINDS)).inc()
         for tool_kind, count in record.tool_calls.items():
             if count:
-                self.tool_calls.labels(tool_kind).inc(count)
+                self.tool_calls.labels(bounded(tool_kind, _TOOL_KINDS)).inc(count)
         if record.stream and record.route == "/v1/responses" and 200 <= record.status < 300:
             self.held_bytes.observe(record.held_bytes_peak)
         if record.overflowed:
@@ -153,7 +174,7 @@ class GatewayMetrics:
         if record.disconnected:
             self.disconnects.labels(record.route).inc()
         for outcome in record.enforcement:
-            self.enforcement.labels(outcome).inc()
+            self.enforcement.labels(bounded(outcome, _ENFORCEMENT_OUTCOMES)).inc()
         if record.reasoning_rejected:
             self.reasoning_rejected.inc(record.reasoning_rejected)
         for label, outcome, seconds in record.mcp_calls:

@@ -3,7 +3,9 @@
 One connection per session. Each ``{"type": "response.create", …request body…}`` message is one response; its
 streaming events go back as text frames holding each event's JSON (what SSE carries in ``data:``), in order,
 ending with the terminal event. Messages run one at a time, in order (later ones wait in a bounded queue).
-Everything the HTTP path does applies — the frames come from the same producer (``ResponsesHandler.respond``).
+Everything the HTTP path does applies — the frames come from the same producer (``ResponsesHandler.respond``) —
+including ``--max-concurrency``: a response takes a slot for its life (none free: an error frame with status 429).
+``--max-websocket-connections`` bounds the open connections (beyond it the handshake is answered 503).
 
 Connection state: recent responses, so ``previous_response_id`` works with ``store: false`` (bounded in
 responses and bytes, gone with the connection). Errors are ``{"type": "error", "status", "error": {…}}`` frames
@@ -27,10 +29,11 @@ import orjson
 import structlog
 from starlette.websockets import WebSocket
 
-from gateway.errors import GatewayError, InvalidRequest
+from gateway.errors import GatewayError, InvalidRequest, RateLimited, ServiceUnavailable
 from gateway.protocol.request import parse_request_body
 from gateway.server.auth import request_owner, unauthorized, verdict
 from gateway.server.http import OrjsonResponse
+from gateway.server.limits import ConcurrencyLimiter, Slot
 from gateway.server.record import RequestRecord
 from gateway.server.responses import Answered, ResponsesHandler, Turn
 
@@ -43,6 +46,9 @@ CACHE_RESPONSES = 32
 CACHE_BYTES = 32 * 1024 * 1024
 CLOSE_TOO_BIG = 1009
 CLOSE_GOING_AWAY = 1001
+CLOSE_TRY_AGAIN_LATER = 1013
+# Client message types this endpoint knows (the websocket_messages label takes these, or "other").
+MESSAGE_TYPES = frozenset({"response.create"})
 _DATA = b"\ndata: "
 
 
@@ -104,19 +110,22 @@ class ResponsesSocket:
     """The ``/v1/responses`` WebSocket endpoint (one instance per app)."""
 
     def __init__(self, handler: Callable[[], ResponsesHandler], *, settings: Any, observer: Any, metrics: Any,
-                 drain: Any, auth_enabled: bool) -> None:
+                 drain: Any, auth_enabled: bool, limiter: ConcurrencyLimiter | None = None) -> None:
         self.handler = handler
         self.settings = settings
         self.observer = observer
         self.metrics = metrics
         self.drain = drain
         self.auth_enabled = auth_enabled
+        # The HTTP path's --max-concurrency slots: a response.create takes one for the response's life.
+        self.limiter = limiter or ConcurrencyLimiter(settings.max_concurrency)
+        self.open = 0  # connections accepted (or being accepted) and not yet closed
 
     async def __call__(self, ws: WebSocket) -> None:
         if self.auth_enabled:
             authorized, presented = verdict(ws.scope)
             if not authorized:  # 401 before upgrading, in OpenAI's shape
-                self.metrics.rejected.labels("unauthorized").inc()
+                self.metrics.reject("unauthorized")
                 exc = unauthorized(presented)
                 with contextlib.suppress(RuntimeError):
                     await ws.send_denial_response(OrjsonResponse(exc.body(), status_code=401, headers=exc.headers))
@@ -126,12 +135,27 @@ class ResponsesSocket:
         if self.drain.draining:
             await ws.close(code=CLOSE_GOING_AWAY)
             return
-        await ws.accept()
-        self.metrics.websocket_connections.inc()
+        cap = self.settings.max_websocket_connections
+        if cap > 0 and self.open >= cap:  # 503 before upgrading: an open socket costs memory and a task set
+            self.metrics.reject("websocket_connections")
+            exc = ServiceUnavailable(f"The gateway holds its maximum of {cap} WebSocket connections; retry "
+                                     "shortly or use HTTP.", code="too_many_websocket_connections",
+                                     headers={"retry-after": "1"})
+            with contextlib.suppress(RuntimeError):
+                await ws.send_denial_response(OrjsonResponse(exc.body(), status_code=503, headers=exc.headers))
+                return
+            await ws.close(code=CLOSE_TRY_AGAIN_LATER)
+            return
+        self.open += 1  # counted before the first await, so concurrent handshakes cannot overshoot the cap
         try:
-            await _Connection(self, ws).run()
+            await ws.accept()
+            self.metrics.websocket_connections.inc()
+            try:
+                await _Connection(self, ws).run()
+            finally:
+                self.metrics.websocket_connections.dec()
         finally:
-            self.metrics.websocket_connections.dec()
+            self.open -= 1
 
 
 class _Connection:
@@ -244,7 +268,9 @@ class _Connection:
             await self._send(_error_frame(400, {"code": "invalid_json", "message": "The message is not valid JSON."}))
             return
         mtype = message.get("type") if isinstance(message, dict) else None
-        self.endpoint.metrics.websocket_messages.labels(str(mtype)[:40] if isinstance(mtype, str) else "invalid").inc()
+        # A label value per known type only: client-chosen strings would mint a series each on /metrics.
+        label = "invalid" if not isinstance(mtype, str) else mtype if mtype in MESSAGE_TYPES else "other"
+        self.endpoint.metrics.websocket_messages.labels(label).inc()
         if mtype != "response.create":
             await self._send(_error_frame(400, {"code": "unknown_message_type", "param": "type",
                                                 "message": f"Unsupported message type {mtype!r}: this endpoint "
@@ -257,9 +283,20 @@ class _Connection:
                                started=time.perf_counter())
         record.request_bytes = size
         self.endpoint.observer.begin(record)
+        slot: Slot | None = None
         try:
+            try:
+                slot = self.endpoint.limiter.acquire()
+            except RateLimited as exc:  # the HTTP path's 429, as a frame; the connection stays open
+                self.endpoint.metrics.reject("concurrency")
+                sid = message.get("stream_id") if isinstance(message.get("stream_id"), str) else None
+                record.status, record.error_code = exc.status, exc.code
+                await self._send(_error_frame(exc.status, exc.body()["error"], sid))
+                return
             await self._respond(message, record)
         finally:
+            if slot is not None:
+                slot.release()
             record.duration = time.perf_counter() - record.started
             self.endpoint.observer.end(record)
 
