@@ -117,6 +117,9 @@ def test_a_conversation_and_item_references_over_the_bound_name_their_parameter(
         assert refused.json()["error"]["param"] == "input[3].id"  # the third megabyte crosses 2.5 MiB
         assert peak < 2.5 * MIB, peak
         assert warm_up(url, input=refs[:3]).status_code == 200  # two referenced megabytes fit
+        # The Conversations API's item references are bounded the same way.
+        copy = httpx.post(url + "/v1/conversations", json={"items": refs[1:]}, timeout=60)
+        assert copy.status_code == 400 and copy.json()["error"]["param"] == "items[2].id", copy.text
 
 
 # ---------------------------------------------------------------------------- per-owner ids and sealing

@@ -349,7 +349,8 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
               methods=["GET"]),
         Route("/v1/responses/{response_id}/cancel", wrap("/v1/responses/{id}/cancel", cancel_response),
               methods=["POST"]),
-        *ConversationsApi(store=_store, max_body_bytes=settings.max_body_bytes).routes(wrap),
+        *ConversationsApi(store=_store, max_body_bytes=settings.max_body_bytes,
+                          max_history_bytes=settings.max_history_bytes).routes(wrap),
         Route("/{path:path}", wrap("proxy", proxy),
               methods=["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]),
     ]

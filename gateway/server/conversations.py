@@ -25,7 +25,7 @@ from gateway.protocol.ids import new_id
 from gateway.server.auth import request_owner
 from gateway.server.http import OrjsonResponse, list_query, read_body
 from gateway.server.record import RequestRecord
-from gateway.store import CursorNotFoundError, ResponseStore, StoredConversation
+from gateway.store import CursorNotFoundError, HistoryTooLargeError, ResponseStore, StoredConversation
 
 log = structlog.get_logger("gateway.conversations")
 
@@ -94,6 +94,8 @@ class ConversationsApi:
 
     store: Callable[[], ResponseStore]
     max_body_bytes: int
+    # --max-history-bytes: what the items an item_reference names may add up to (loaded only if they fit).
+    max_history_bytes: int = 32 * 1024 * 1024
     clock: Callable[[], float] = field(default=time.time)
 
     def routes(self, wrap: Wrap) -> list[Route]:
@@ -116,7 +118,14 @@ class ConversationsApi:
                      ) -> list[dict[str, Any]]:
         """Public items with ids; ``item_reference``s replaced by the (owner's) stored items they name."""
         refs = [item["id"] for item in raw if item.get("type") == "item_reference"]
-        found = await store.get_items(refs, owner=owner) if refs else {}
+        try:
+            found = await store.get_items(refs, owner=owner, max_bytes=self.max_history_bytes) if refs else {}
+        except HistoryTooLargeError as exc:
+            at = next((i for i, item in enumerate(raw) if item.get("type") == "item_reference"
+                       and item["id"] == exc.item_id), 0)
+            raise InvalidRequest(f"The items referenced by 'items' are larger than the gateway's limit of "
+                                 f"{self.max_history_bytes} bytes (--max-history-bytes).", param=f"items[{at}].id",
+                                 code="history_too_large") from None
         out = []
         for i, item in enumerate(raw):
             if item.get("type") == "item_reference":
