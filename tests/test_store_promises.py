@@ -209,6 +209,17 @@ def test_a_failed_store_write_is_never_answered_with_an_id(tmp_path: Path) -> No
         assert httpx.get(url + f"/v1/responses/{last['response']['id']}").status_code == 404
 
 
+def test_a_background_response_whose_store_write_fails_ends_failed(tmp_path: Path) -> None:
+    st = FailingPut(tmp_path / "r.db")
+    with running_gateway(store=st) as url:
+        queued = warm_up(url, input="hi", background=True, stream=True)
+        events = sse_events(queued.content)
+        assert events[-1]["type"] == "response.failed", [e["type"] for e in events]
+        rid = events[-1]["response"]["id"]
+        got = httpx.get(url + f"/v1/responses/{rid}", timeout=30).json()
+        assert got["status"] == "failed" and got["error"]["code"] == "store_failed"
+
+
 def test_the_response_and_its_conversation_turn_commit_together(tmp_path: Path) -> None:
     async def main() -> None:
         st = SqliteResponseStore(tmp_path / "r.db")
@@ -265,14 +276,15 @@ def test_store_files_and_folders_are_private(tmp_path: Path) -> None:
         try:
             path = tmp_path / "made" / "here" / "r.db"
             st = open_store(f"sqlite:///{path}")
-            assert isinstance(st, SqliteResponseStore) and st.synchronous == "full"
+            assert isinstance(st, SqliteResponseStore)
             await st.start()
             await st.put(StoredResponse(id="resp_1", created_at=1, previous_response_id=None, status="completed",
                                         response={}, input_items=[], tool_context=None, updated_at=1))
-            assert st._db is not None and st._db.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
             for f in (path, Path(f"{path}-wal"), Path(f"{path}-shm")):
                 assert mode(f) == 0o600, (f, oct(mode(f)))
             assert mode(path.parent) == 0o700 and mode(path.parent.parent) == 0o700
+            # Durable commits by default (--sqlite-synchronous full).
+            assert st._db is not None and st._db.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
             await st.close()
             # An older gateway's world-readable files are tightened at start-up.
             for f in (path, Path(f"{path}-wal"), Path(f"{path}-shm")):
