@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import sqlite3
 import threading
@@ -250,11 +251,8 @@ def _create_private(path: Path) -> None:
         with contextlib.suppress(FileExistsError):  # another process made it meanwhile
             os.mkdir(folder, 0o700)
         os.chmod(folder, 0o700)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        os.fchmod(fd, 0o600)
-    finally:
-        os.close(fd)
+    os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))  # made 0600 whatever the umask; sqlite3 opens it after
+    _private(path)
     _tighten_sidecars(path)
 
 
@@ -263,7 +261,15 @@ def _tighten_sidecars(path: Path) -> None:
     # (or created before the database was tightened) are tightened here.
     for suffix in ("-wal", "-shm", "-journal"):
         with contextlib.suppress(FileNotFoundError):
-            os.chmod(f"{path}{suffix}", 0o600)
+            _private(Path(f"{path}{suffix}"))
+
+
+def _private(path: Path) -> None:
+    # A file another user owns (shared through its group) cannot be tightened by this one: said, not fatal.
+    try:
+        os.chmod(path, 0o600)
+    except PermissionError:
+        logging.getLogger(__name__).warning("could not make %s private (0600): not its owner", path)
 
 
 def _insert_items(db: sqlite3.Connection, conversation_id: str, start: int, items: list[dict[str, Any]]) -> None:
