@@ -2,7 +2,8 @@
 
 Every multi-statement write is one ``BEGIN IMMEDIATE`` transaction: within a process the lock serializes
 calls, across processes sharing the file the write lock does, so concurrent appends to one conversation
-never read the same next position.
+never read the same next position. Commits are durable (``synchronous=FULL``) unless the operator chose
+``--sqlite-synchronous normal``. The database file and its -wal/-shm are 0600, the folders created for it 0700.
 """
 
 from __future__ import annotations
