@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -288,7 +289,8 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         upstream = UpstreamClient(settings, transport=transport)
-        st: ResponseStore | None = open_store(settings.store) if store == "from-settings" else store  # type: ignore[assignment]
+        st: ResponseStore | None = open_store(settings.store, settings.sqlite_synchronous) \
+            if store == "from-settings" else store  # type: ignore[assignment]
         sweeper = None
         runs: BackgroundRuns | None = None
         if st is not None:
@@ -369,7 +371,8 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
               methods=["GET"]),
         Route("/v1/responses/{response_id}/cancel", wrap("/v1/responses/{id}/cancel", cancel_response),
               methods=["POST"]),
-        *ConversationsApi(store=_store, max_body_bytes=settings.max_body_bytes).routes(wrap),
+        *ConversationsApi(store=_store, max_body_bytes=settings.max_body_bytes,
+                          max_history_bytes=settings.max_history_bytes).routes(wrap),
         Route("/{path:path}", wrap("proxy", proxy),
               methods=["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]),
     ]
@@ -420,11 +423,15 @@ def _starting_after(raw: str | None) -> int:
     first event)."""
     if raw is None or raw == "":
         return -1
-    try:
-        value = int(raw)
-    except ValueError:
-        raise InvalidRequest("'starting_after' must be an integer.", param="starting_after",
-                             code="invalid_type") from None
-    if value < -1:
-        raise InvalidRequest("'starting_after' must be at least -1.", param="starting_after", code="invalid_value")
+    if not _INTEGER.fullmatch(raw):
+        raise InvalidRequest("'starting_after' must be an integer.", param="starting_after", code="invalid_type")
+    value = int(raw)
+    # Sequence numbers are stored as 64-bit integers: a larger cursor would overflow the store's query.
+    if not -1 <= value <= _MAX_SEQUENCE:
+        raise InvalidRequest(f"'starting_after' must be between -1 and {_MAX_SEQUENCE}.", param="starting_after",
+                             code="invalid_value")
     return value
+
+
+_INTEGER = re.compile(r"-?[0-9]{1,20}")
+_MAX_SEQUENCE = 2**63 - 1

@@ -1,5 +1,6 @@
-"""The Conversations API (``/v1/conversations``) and the two hooks ``POST /v1/responses`` uses for
-``conversation``: the conversation's items as history, and the turn's items appended when it ends.
+"""The Conversations API (``/v1/conversations``) and the hook ``POST /v1/responses`` uses for
+``conversation``: the conversation's items as history (the turn's items are appended by the response's own
+store write, gateway.server.responses, in the record's transaction).
 
 Every endpoint is scoped to the caller's owner (gateway.server.auth.request_owner): another owner's
 conversation or item answers 404 exactly as an unknown id does.
@@ -24,11 +25,11 @@ from gateway.protocol.ids import new_id
 from gateway.server.auth import request_owner
 from gateway.server.http import OrjsonResponse, list_query, read_body
 from gateway.server.record import RequestRecord
-from gateway.store import CursorNotFoundError, ResponseStore, StoredConversation
+from gateway.store import CursorNotFoundError, HistoryTooLargeError, ResponseStore, StoredConversation
 
 log = structlog.get_logger("gateway.conversations")
 
-__all__ = ["APPENDED_STATUSES", "ConversationsApi", "append_turn", "conversation_history"]
+__all__ = ["APPENDED_STATUSES", "ConversationsApi", "conversation_history"]
 
 Handler = Callable[[Request, RequestRecord], Awaitable[Response]]
 Wrap = Callable[[str, Handler], Callable[[Request], Awaitable[Response]]]
@@ -43,10 +44,10 @@ def _conversation_not_found(conversation_id: str, param: str = "conversation_id"
 
 # ---------------------------------------------------------------------------- hooks for POST /v1/responses
 
-async def conversation_history(store: ResponseStore | None, body: Mapping[str, Any],
-                               owner: str | None) -> list[dict[str, Any]] | None:
+async def conversation_history(store: ResponseStore | None, body: Mapping[str, Any], owner: str | None,
+                               max_bytes: int | None = None) -> list[dict[str, Any]] | None:
     """The items of the conversation the request names, oldest first (public form, like the history of a
-    ``previous_response_id`` chain); None when it names none."""
+    ``previous_response_id`` chain); None when it names none. HistoryTooLargeError past ``max_bytes``."""
     conversation_id = conversation_ref(body)
     if conversation_id is None:
         return None
@@ -56,29 +57,10 @@ async def conversation_history(store: ResponseStore | None, body: Mapping[str, A
     if store is None:
         raise InvalidRequest("conversation needs a response store, and this gateway runs with --store none.",
                              param="conversation", code="store_disabled")
-    items = await store.get_conversation_items(conversation_id, owner=owner)
+    items = await store.get_conversation_items(conversation_id, owner=owner, max_bytes=max_bytes)
     if items is None:
         raise _conversation_not_found(conversation_id, param="conversation")
     return items
-
-
-async def append_turn(store: ResponseStore | None, body: Mapping[str, Any], input_items: list[dict[str, Any]],
-                      final: Mapping[str, Any], owner: str | None) -> None:
-    """Append the request's input items and the response's output items to its conversation (whatever
-    ``store`` says, as OpenAI does). Never raises: the client still gets its answer; a failure is logged."""
-    conversation_id = conversation_ref(body)
-    if conversation_id is None or store is None or final.get("status") not in APPENDED_STATUSES:
-        return
-    items = [conversation_item(i) for i in input_items]
-    items += [conversation_item(o) for o in final.get("output") or () if isinstance(o, dict)]
-    try:
-        appended = await store.append_conversation_items(conversation_id, items, int(time.time()), owner=owner)
-    except Exception as exc:
-        log.error("conversation_write_failed", conversation_id=conversation_id, response_id=final.get("id"),
-                  error=type(exc).__name__)
-        return
-    if not appended:  # deleted while the response ran
-        log.warning("conversation_gone", conversation_id=conversation_id, response_id=final.get("id"))
 
 
 # ---------------------------------------------------------------------------- the endpoints
@@ -112,6 +94,8 @@ class ConversationsApi:
 
     store: Callable[[], ResponseStore]
     max_body_bytes: int
+    # --max-history-bytes: what the items an item_reference names may add up to (loaded only if they fit).
+    max_history_bytes: int = 32 * 1024 * 1024
     clock: Callable[[], float] = field(default=time.time)
 
     def routes(self, wrap: Wrap) -> list[Route]:
@@ -134,7 +118,14 @@ class ConversationsApi:
                      ) -> list[dict[str, Any]]:
         """Public items with ids; ``item_reference``s replaced by the (owner's) stored items they name."""
         refs = [item["id"] for item in raw if item.get("type") == "item_reference"]
-        found = await store.get_items(refs, owner=owner) if refs else {}
+        try:
+            found = await store.get_items(refs, owner=owner, max_bytes=self.max_history_bytes) if refs else {}
+        except HistoryTooLargeError as exc:
+            at = next((i for i, item in enumerate(raw) if item.get("type") == "item_reference"
+                       and item["id"] == exc.item_id), 0)
+            raise InvalidRequest(f"The items referenced by 'items' are larger than the gateway's limit of "
+                                 f"{self.max_history_bytes} bytes (--max-history-bytes).", param=f"items[{at}].id",
+                                 code="history_too_large") from None
         out = []
         for i, item in enumerate(raw):
             if item.get("type") == "item_reference":

@@ -36,10 +36,11 @@ def error_response(exc: GatewayError, headers: Mapping[str, str] | None = None) 
 
 def list_query(query: Any) -> tuple[int, str]:
     """OpenAI's list parameters: ``limit`` (1-100, default 20) and ``order`` (``asc`` | ``desc``, default desc)."""
-    try:
-        limit = int(query.get("limit", 20))
-    except ValueError:
-        raise InvalidRequest("'limit' must be an integer.", param="limit", code="invalid_type") from None
+    raw = str(query.get("limit", "20"))
+    # ASCII digits only (int() would also take "1_0", " 5" or other scripts' digits), and not too many.
+    if not (raw.isascii() and raw.lstrip("-").isdigit() and len(raw) <= 20):
+        raise InvalidRequest("'limit' must be an integer.", param="limit", code="invalid_type")
+    limit = int(raw)
     if not 1 <= limit <= 100:
         raise InvalidRequest("'limit' must be between 1 and 100.", param="limit", code="invalid_value")
     order = query.get("order", "desc")

@@ -4,12 +4,14 @@ and pump the answer back as client frames. Transport-independent — no starlett
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import httpx
+import orjson
 import structlog
 
 from gateway.config import Settings
@@ -17,13 +19,13 @@ from gateway.enforce.constrain import ContentAsCall
 from gateway.enforce.live import GrammarTakeover
 from gateway.enforce.runner import Enforcer, Guard, Plan, StepError, Violation, plan_for, violation_response
 from gateway.errors import GatewayError, InvalidRequest, NotFound
-from gateway.protocol.conversations import conversation_ref
+from gateway.protocol.conversations import conversation_item, conversation_ref
 from gateway.protocol.ids import new_id
-from gateway.server.conversations import append_turn, conversation_history
+from gateway.server.conversations import APPENDED_STATUSES, conversation_history
 from gateway.server.record import RequestRecord
 from gateway.server.shutdown import Drain, ShuttingDown
 from gateway.server.tool_loop import McpHub, ToolLoop, approvals_in
-from gateway.store import BrokenChainError, ResponseStore, StoredResponse
+from gateway.store import BrokenChainError, ConversationTurn, HistoryTooLargeError, ResponseStore, StoredResponse
 from gateway.translate.chat import ChatToResponsesEvents, Event, build_chat_request
 from gateway.translate.restore import RequestState, build_request_state, restore_output, restore_response
 from gateway.translate.rewrite import build_upstream_request
@@ -42,7 +44,38 @@ Persist = Callable[[dict[str, Any]], Awaitable[None]]
 ZERO_USAGE = {"input_tokens": 0, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 0,
               "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 0}
 
-__all__ = ["Answered", "Outcome", "ResponsesHandler", "Streamed", "Turn", "public_input_items"]
+__all__ = ["Answered", "Outcome", "ResponsesHandler", "StoreWriteFailed", "Streamed", "Turn", "public_input_items"]
+
+STORE_FAILED = "store_failed"
+_TERMINAL_HEADS = (b"event: response.completed", b"event: response.incomplete", b"event: response.failed")
+
+
+class StoreWriteFailed(GatewayError):
+    """The response (or its conversation turn) could not be committed: the client is told so (a 500, or
+    ``response.failed`` in place of its terminal event), never handed an id that does not exist."""
+
+    status = 500
+    type = "server_error"
+    code = STORE_FAILED
+
+    def __init__(self) -> None:
+        super().__init__("The response could not be stored, so it was not kept; retry the request.")
+
+
+class HistoryBudget:
+    """What is left of --max-history-bytes for one request: item references first, then the chain or the
+    conversation."""
+
+    __slots__ = ("left", "limit")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.left = limit
+
+    def exceeded(self, param: str) -> InvalidRequest:
+        return InvalidRequest(f"The history this request resolves through '{param}' is larger than the gateway's "
+                              f"limit of {self.limit} bytes (--max-history-bytes).", param=param,
+                              code="history_too_large")
 
 
 def public_input_items(body: dict[str, Any]) -> list[dict[str, Any]]:
@@ -108,9 +141,10 @@ class ResponsesHandler:
                                      param="background", code="store_disabled")
             return await self.background.start_run(self, body, headers, owner, record)
         # --- end of background mode
-        body = await self._resolve_references(body, owner)
+        budget = HistoryBudget(self.settings.max_history_bytes)
+        body = await self._resolve_references(body, owner, budget)
         ctx = resolve_tool_context(body)
-        history = await self._history(body, owner, turn)
+        history = await self._history(body, owner, turn, budget)
         if turn is not None:
             turn.history, turn.input_items = history, public_input_items(body)
         state = build_request_state(body, ctx, response_id=run.response_id if run else new_id("resp"),
@@ -118,7 +152,7 @@ class ResponsesHandler:
                                     max_unnamed_call_bytes=self.settings.max_unnamed_call_bytes)
         persist = self._persister(body, state, owner) if self._should_store(body) or conversation_ref(body) \
             else None
-        body, history, state = self._reasoning(body, history, state, record)
+        body, history, state = self._reasoning(body, history, state, record, owner)
         extra = {"x-request-id": record.request_id}
         if body.get("generate") is False:
             return await self._no_generation(state, record, persist)
@@ -231,6 +265,8 @@ class ResponsesHandler:
             await frames.aclose()
         final = loop.translator.final_response
         assert final is not None
+        if _store_failed_response(final):
+            raise StoreWriteFailed()
         _count_calls(record, final)
         return Answered(final)
 
@@ -279,20 +315,39 @@ class ResponsesHandler:
             yield chunk
 
     async def _loop_finished(self, translator: FunctionSseTranslator, record: RequestRecord,
-                             persist: Persist | None) -> None:
-        """The loop ended the response itself (after running a round's calls): record and store it first."""
+                             persist: Persist | None, frames: list[bytes] | None = None) -> None:
+        """The loop ended the response itself (after running a round's calls): record and store it first. A failed
+        store write turns the terminal event in ``frames`` (changed in place) into ``response.failed``."""
         final = translator.final_response
         if final is None:
             return
         record.response_status = final.get("status")
         record.usage = final.get("usage") if isinstance(final.get("usage"), dict) else None
-        if persist is not None:
+        out, failed = await self._persist_frames(persist, frames or [], final, record)
+        if failed is not final:
+            translator.final_response = failed
+            if frames is not None:
+                frames[:] = out
+
+    async def _persist_frames(self, persist: Persist | None, frames: list[bytes], final: dict[str, Any],
+                              record: RequestRecord) -> tuple[list[bytes], dict[str, Any]]:
+        """Store the response before its terminal event goes out; if the write fails, the frames end with
+        ``response.failed`` (``store_failed``) instead, and that failed response is the final one."""
+        if persist is None:
+            return frames, final
+        try:
             await persist(final)
+        except StoreWriteFailed:
+            record.response_status = "failed"
+            return _store_failed_frames(frames, final)
+        return frames, final
 
     def _reasoning(self, body: dict[str, Any], history: list[dict[str, Any]], state: RequestState,
-                   record: RequestRecord) -> tuple[dict[str, Any], list[dict[str, Any]], RequestState]:
+                   record: RequestRecord, owner: str | None = None
+                   ) -> tuple[dict[str, Any], list[dict[str, Any]], RequestState]:
         """Sealed reasoning: blobs in the input and history opened for the upstream (the stored input keeps what
-        the client sent); reasoning the client gets sealed when its include asks for it."""
+        the client sent); reasoning the client gets sealed when its include asks for it. Blobs are bound to the
+        caller's owner: another key's blob does not open, and is dropped and counted like a tampered one."""
         include = body.get("include")
         wants = isinstance(include, list) and "reasoning.encrypted_content" in include
         raw = body.get("input")
@@ -304,16 +359,17 @@ class ResponsesHandler:
         rejected = 0
         if sealed_in:
             if isinstance(raw, list):
-                opened, n = open_sealed_reasoning(raw, sealer)
+                opened, n = open_sealed_reasoning(raw, sealer, owner)
                 body, rejected = {**body, "input": opened}, rejected + n
-            history, n = open_sealed_reasoning(history, sealer)
+            history, n = open_sealed_reasoning(history, sealer, owner)
             rejected += n
         if rejected:
             record.reasoning_rejected = rejected
             log.warning("reasoning_blob_rejected", request_id=record.request_id, count=rejected,
-                        reason="encrypted_content did not open with the configured --reasoning-key(s)")
+                        reason="encrypted_content did not open with the configured --reasoning-key(s) for this "
+                        "API key")
         if wants:
-            state = replace(state, seal=sealer.seal)
+            state = replace(state, seal=functools.partial(sealer.seal, owner=owner))
         return body, history, state
 
     def reasoning_sealer(self) -> ReasoningSealer:
@@ -335,9 +391,7 @@ class ResponsesHandler:
         final = translator.final_response
         assert final is not None
         record.response_status = "completed"
-        if persist is not None:
-            await persist(final)
-        return _made_here(frames, final, record)
+        return await self._made_here_stored(persist, frames, final, record)
 
     def _converter(self, model: str | None) -> ChatToResponsesEvents:
         return ChatToResponsesEvents(model=model, max_unnamed_bytes=self.settings.max_unnamed_call_bytes)
@@ -372,8 +426,17 @@ class ResponsesHandler:
         frames = translator.fail("tool_choice_violation", message)
         final = translator.final_response or violation_response(restore_response(None, state, output=[]), message)
         record.response_status = "failed"
-        if persist is not None:
-            await persist(final)
+        return await self._made_here_stored(persist, frames, final, record)
+
+    async def _made_here_stored(self, persist: Persist | None, frames: list[bytes], final: dict[str, Any],
+                                record: RequestRecord) -> Outcome:
+        """A response the gateway made, stored first: a failed write is a 500 (not streamed) or the stream's
+        ``response.failed``."""
+        if not record.stream:
+            if persist is not None:
+                await persist(final)  # StoreWriteFailed: the client's 500
+            return Answered(final)
+        frames, final = await self._persist_frames(persist, frames, final, record)
         return _made_here(frames, final, record)
 
     def _stream(self, batches: AsyncIterator[list[Event]], up: UpstreamResponse, state: RequestState,
@@ -433,8 +496,11 @@ class ResponsesHandler:
             if final is not None:
                 record.response_status = final.get("status")
                 record.usage = final.get("usage") if isinstance(final.get("usage"), dict) else None
-                if persist is not None:
-                    await persist(final)
+                # Stored before the terminal event goes out: a client never gets the id of a response the store
+                # does not hold (a failed write ends the stream with response.failed instead).
+                out, stored = await self._persist_frames(persist, out, final, record)
+                if stored is not final:
+                    translator.final_response = stored
             if out:
                 if record.ttfb is None:
                     record.ttfb = time.perf_counter() - record.started
@@ -464,8 +530,10 @@ class ResponsesHandler:
     def _should_store(self, body: dict[str, Any]) -> bool:
         return self.store is not None and body.get("store", True) is not False
 
-    async def _resolve_references(self, body: dict[str, Any], owner: str | None = None) -> dict[str, Any]:
-        """``item_reference`` inputs replaced by the stored items they name (any input or output item)."""
+    async def _resolve_references(self, body: dict[str, Any], owner: str | None = None,
+                                  budget: HistoryBudget | None = None) -> dict[str, Any]:
+        """``item_reference`` inputs replaced by the stored items they name (any input or output item), bounded by
+        ``budget`` while they are loaded."""
         raw = body.get("input")
         if not isinstance(raw, list):
             return body
@@ -480,16 +548,29 @@ class ResponsesHandler:
         if self.store is None:
             raise InvalidRequest("item_reference needs a response store, and this gateway runs with --store none.",
                                  param=f"input[{min(refs)}]", code="store_disabled")
-        found = await self.store.get_items([item["id"] for item in refs.values()], owner=owner)
+        try:
+            found = await self.store.get_items([item["id"] for item in refs.values()], owner=owner,
+                                               max_bytes=None if budget is None else budget.left)
+        except HistoryTooLargeError as exc:
+            assert budget is not None
+            at = next((i for i, item in refs.items() if item["id"] == exc.item_id), min(refs))
+            raise budget.exceeded(f"input[{at}].id") from None
+        if budget is not None:
+            budget.left -= sum(len(orjson.dumps(item)) for item in found.values())
         for i, item in refs.items():
             if item["id"] not in found:
                 raise InvalidRequest(f"Item with id '{item['id']}' not found.", param=f"input[{i}].id",
                                      code="item_not_found")
         return {**body, "input": [found[item["id"]] if i in refs else item for i, item in enumerate(raw)]}
 
-    async def _history(self, body: dict[str, Any], owner: str | None = None,
-                       turn: Turn | None = None) -> list[dict[str, Any]]:
-        conversation = await conversation_history(self.store, body, owner)  # the `conversation` field's items
+    async def _history(self, body: dict[str, Any], owner: str | None = None, turn: Turn | None = None,
+                       budget: HistoryBudget | None = None) -> list[dict[str, Any]]:
+        max_bytes = None if budget is None else max(budget.left, 0)
+        try:  # the `conversation` field's items
+            conversation = await conversation_history(self.store, body, owner, max_bytes=max_bytes)
+        except HistoryTooLargeError:
+            assert budget is not None
+            raise budget.exceeded("conversation") from None
         if conversation is not None:
             return conversation
         prev = body.get("previous_response_id")
@@ -504,7 +585,10 @@ class ResponsesHandler:
             raise InvalidRequest("previous_response_id needs a response store, and this gateway runs with "
                                  "--store none.", param="previous_response_id", code="store_disabled")
         try:
-            chain = await self.store.get_chain(prev, owner=owner)
+            chain = await self.store.get_chain(prev, owner=owner, max_bytes=max_bytes)
+        except HistoryTooLargeError:
+            assert budget is not None
+            raise budget.exceeded("previous_response_id") from None
         except BrokenChainError as exc:
             raise NotFound(f"Response with id '{prev}' cannot be continued: an earlier response in its chain "
                            f"('{exc.missing_id}') no longer exists.", param="previous_response_id") from None
@@ -519,19 +603,31 @@ class ResponsesHandler:
         items = public_input_items(body)
         tool_context = state.ctx.describe()
         keep = self._should_store(body)  # False: only the conversation (if any) is written
+        conversation_id = conversation_ref(body)
 
         async def persist(final: dict[str, Any]) -> None:
+            """The record and the conversation turn, in one transaction; StoreWriteFailed if it did not commit."""
             now = int(time.time())
             rec = StoredResponse(id=final["id"], created_at=int(final.get("created_at") or now),
                                  previous_response_id=body.get("previous_response_id"),
                                  status=str(final.get("status")), response=final, input_items=items,
-                                 tool_context=tool_context, updated_at=now, owner=owner)
+                                 tool_context=tool_context, updated_at=now, owner=owner) if keep else None
+            turn = None
+            if conversation_id is not None and final.get("status") in APPENDED_STATUSES:
+                # A response's turn joins its conversation whatever `store` says, as OpenAI does.
+                turn_items = [conversation_item(i) for i in items]
+                turn_items += [conversation_item(o) for o in final.get("output") or () if isinstance(o, dict)]
+                turn = ConversationTurn(conversation_id, turn_items, now)
+            if rec is None and turn is None:
+                return
             try:
-                if keep:
-                    await store.put(rec)
-            except Exception as exc:  # the client still gets its answer; the failure is logged and counted
-                log.error("store_write_failed", response_id=final.get("id"), error=type(exc).__name__)
-            await append_turn(store, body, items, final, owner)  # no-op without `conversation`; never raises
+                appended = await store.put(rec, turn, owner)
+            except Exception as exc:
+                log.error("store_write_failed", response_id=final.get("id"), conversation_id=conversation_id,
+                          error=type(exc).__name__)
+                raise StoreWriteFailed() from None
+            if not appended:  # the conversation was deleted while the response ran
+                log.warning("conversation_gone", conversation_id=conversation_id, response_id=final.get("id"))
 
         return persist
 
@@ -581,6 +677,32 @@ def _made_here(frames: list[bytes], final: dict[str, Any], record: RequestRecord
         yield b"".join(frames)
 
     return Streamed(once())
+
+
+def _store_failed_response(final: Mapping[str, Any]) -> bool:
+    error = final.get("error")
+    return final.get("status") == "failed" and isinstance(error, dict) and error.get("code") == STORE_FAILED
+
+
+def _store_failed_frames(frames: list[bytes], final: dict[str, Any]) -> tuple[list[bytes], dict[str, Any]]:
+    """``frames`` with their terminal event (the last frame) replaced by ``response.failed`` (``store_failed``),
+    and that failed response."""
+    exc = StoreWriteFailed()
+    failed = {**final, "status": "failed", "error": {"code": exc.code, "message": exc.message}}
+    out = list(frames)
+    seq = 0
+    if out:
+        head, _, data = out[-1].partition(b"\ndata: ")
+        try:
+            seq = int(orjson.loads(data).get("sequence_number", -1)) + 1
+        except (orjson.JSONDecodeError, AttributeError, TypeError, ValueError):
+            seq = 0
+        if head in _TERMINAL_HEADS:
+            out.pop()
+            seq -= 1  # the failed event takes the terminal event's place
+    event = {"type": "response.failed", "sequence_number": seq, "response": failed}
+    out.append(b"event: response.failed\ndata: " + orjson.dumps(event) + b"\n\n")
+    return out, failed
 
 
 def _count_calls(record: RequestRecord, final: dict[str, Any]) -> None:

@@ -261,7 +261,7 @@ class ToolLoop:
             rounds_run += 1
             if withhold or translator.client_calls_in_round or translator.approval_requested:
                 frames = translator.end()
-                await self.handler._loop_finished(translator, self.record, self.persist)
+                await self.handler._loop_finished(translator, self.record, self.persist, frames)
                 yield b"".join(frames)
                 return
             translator.next_round()
@@ -312,7 +312,7 @@ class ToolLoop:
                 out += translator.complete_owned(call["key"], error=SHUTDOWN)
             out += translator.fail("gateway_shutting_down", "The gateway is shutting down; the response was ended "
                                    "after the drain period. Retry the request.")
-            await self.handler._loop_finished(translator, self.record, self.persist)
+            await self.handler._loop_finished(translator, self.record, self.persist, out)
             yield b"".join(out)
         finally:
             for task in tasks:

@@ -7,7 +7,9 @@ from gateway.store.base import (
     DEFAULT_MAX_CHAIN_DEPTH,
     BrokenChainError,
     ChainTooDeepError,
+    ConversationTurn,
     CursorNotFoundError,
+    HistoryTooLargeError,
     ResponseStore,
     StoredConversation,
     StoredResponse,
@@ -20,7 +22,9 @@ __all__ = [
     "DEFAULT_MAX_CHAIN_DEPTH",
     "BrokenChainError",
     "ChainTooDeepError",
+    "ConversationTurn",
     "CursorNotFoundError",
+    "HistoryTooLargeError",
     "PostgresResponseStore",
     "ResponseStore",
     "SqliteResponseStore",
@@ -34,13 +38,15 @@ __all__ = [
 _SQLITE_PREFIX = "sqlite:///"
 
 
-def open_store(url: str) -> ResponseStore | None:
+def open_store(url: str, sqlite_synchronous: str = "full") -> ResponseStore | None:
     """Build (not start) the store a URL names; the caller awaits start() and, at shutdown, close().
 
     - ``none``: storage disabled, returns None.
     - ``sqlite:///relative/path.db`` (three slashes: relative to the working directory) or
       ``sqlite:////abs/path.db`` (four: absolute), SQLAlchemy-style.
     - ``postgresql://...`` or ``postgres://...``: a libpq-style DSN handed to asyncpg.
+
+    ``sqlite_synchronous`` (``--sqlite-synchronous``): SQLite's synchronous pragma, ``full`` or ``normal``.
     """
     stripped = url.strip()
     if stripped.lower() == "none":
@@ -53,7 +59,7 @@ def open_store(url: str) -> ResponseStore | None:
             # Each operation of a worker-thread store would need the same connection forever, and a
             # store that forgets everything on restart is better spelled 'none'.
             raise ValueError("sqlite :memory: is not supported as a response store; use a file path")
-        return SqliteResponseStore(path)
+        return SqliteResponseStore(path, synchronous=sqlite_synchronous)
     if stripped.startswith(("postgresql://", "postgres://")):
         from gateway.store.postgres import PostgresResponseStore
 

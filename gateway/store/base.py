@@ -76,6 +76,26 @@ class ChainTooDeepError(StoreError):
         self.max_depth = max_depth
 
 
+class HistoryTooLargeError(StoreError):
+    """The history being loaded (a chain, a conversation's items, referenced items) passed ``max_bytes``; the
+    store stopped reading there. ``item_id``: the referenced item that crossed the bound (get_items)."""
+
+    def __init__(self, max_bytes: int, item_id: str | None = None) -> None:
+        super().__init__(f"the history is larger than {max_bytes} bytes")
+        self.max_bytes = max_bytes
+        self.item_id = item_id
+
+
+@dataclass(frozen=True, slots=True)
+class ConversationTurn:
+    """A response's turn (its input and output items, each with an "id") for its conversation: written by
+    put() in the record's transaction."""
+
+    conversation_id: str
+    items: list[dict[str, Any]]
+    updated_at: int
+
+
 class CursorNotFoundError(StoreError):
     """``after`` names no item of the conversation being listed."""
 
@@ -96,8 +116,11 @@ class ResponseStore(ABC):
         """Release connections. The store is unusable afterwards."""
 
     @abstractmethod
-    async def put(self, record: StoredResponse) -> None:
-        """Insert or replace the record with this id; committed durably when it returns."""
+    async def put(self, record: StoredResponse | None, turn: ConversationTurn | None = None,
+                  owner: str | None = None) -> bool:
+        """Insert or replace the record with this id (None: only the turn) and append ``turn`` to its conversation
+        (as append_conversation_items, scoped to ``owner``), in one transaction committed durably when it returns.
+        False when the turn's conversation does not exist (or is another owner's): the record is written anyway."""
 
     @abstractmethod
     async def get(self, response_id: str, owner: str | None = None) -> StoredResponse | None:
@@ -105,16 +128,22 @@ class ResponseStore(ABC):
 
     @abstractmethod
     async def get_chain(self, response_id: str, max_depth: int = DEFAULT_MAX_CHAIN_DEPTH,
-                        owner: str | None = None) -> list[StoredResponse]:
-        """The record and its ancestors via previous_response_id, oldest first, in one query.
+                        owner: str | None = None, max_bytes: int | None = None) -> list[StoredResponse]:
+        """The record and its ancestors via previous_response_id, oldest first, in one read transaction.
 
         Returns [] if response_id itself is unknown (or another owner's). Raises BrokenChainError if an
-        ancestor is missing, ChainTooDeepError if the chain has more than max_depth records.
+        ancestor is missing, ChainTooDeepError if the chain has more than max_depth records,
+        HistoryTooLargeError if their stored input and response JSON pass ``max_bytes`` (measured in the
+        database, newest first, before any record is loaded).
         """
 
     @abstractmethod
-    async def get_items(self, item_ids: list[str], owner: str | None = None) -> dict[str, dict[str, Any]]:
+    async def get_items(self, item_ids: list[str], owner: str | None = None,
+                        max_bytes: int | None = None) -> dict[str, dict[str, Any]]:
         """Stored input or output items by id (``item_reference``); ids not found are left out.
+
+        Ids are scoped to their owner: each owner may store the same id once. HistoryTooLargeError (naming the
+        first id, in the order given, at which the sizes pass ``max_bytes``) before any item is loaded.
 
         An id stored by several responses (a client resending an item) resolves to the latest write of the
         same owner (another owner's write never replaces it). Ids no response holds are looked up in the
@@ -231,9 +260,10 @@ class ResponseStore(ABC):
         """
 
     @abstractmethod
-    async def get_conversation_items(self, conversation_id: str, owner: str | None = None
-                                     ) -> list[dict[str, Any]] | None:
-        """Every item in order (the history of a response created with ``conversation``), or None."""
+    async def get_conversation_items(self, conversation_id: str, owner: str | None = None,
+                                     max_bytes: int | None = None) -> list[dict[str, Any]] | None:
+        """Every item in order (the history of a response created with ``conversation``), or None.
+        HistoryTooLargeError when their stored JSON passes ``max_bytes`` (summed in the database first)."""
 
     @abstractmethod
     async def list_conversation_items(self, conversation_id: str, *, limit: int, order: str = "desc",
@@ -260,6 +290,24 @@ def record_items(record: StoredResponse) -> list[tuple[str, dict[str, Any]]]:
         if isinstance(item, dict) and isinstance(item.get("id"), str) and item["id"]:
             out.append((item["id"], item))
     return out
+
+
+def chain_sizes(response_id: str, rows: list[tuple[str, str | None, int]], max_depth: int,
+                max_bytes: int | None) -> list[str]:
+    """Validate a chain's (id, previous_response_id, running byte total) rows, newest first, as the recursive
+    queries return them (they stop once the total passes the bound); the ids to load, oldest first."""
+    if max_depth < 1:
+        raise ValueError("max_depth must be at least 1")
+    if not rows:
+        return []
+    if max_bytes is not None and rows[-1][2] > max_bytes:
+        raise HistoryTooLargeError(max_bytes)
+    oldest = rows[-1]
+    if oldest[1] is not None:
+        if len(rows) >= max_depth:
+            raise ChainTooDeepError(response_id, max_depth)
+        raise BrokenChainError(oldest[1])
+    return [row[0] for row in reversed(rows)]
 
 
 def check_chain(response_id: str, chain: list[StoredResponse], max_depth: int) -> list[StoredResponse]:

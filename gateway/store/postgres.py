@@ -17,12 +17,14 @@ import orjson
 
 from gateway.store.base import (
     DEFAULT_MAX_CHAIN_DEPTH,
+    ConversationTurn,
     CursorNotFoundError,
+    HistoryTooLargeError,
     ResponseStore,
     StoredConversation,
     StoredResponse,
     StoreError,
-    check_chain,
+    chain_sizes,
     record_items,
 )
 
@@ -101,7 +103,28 @@ MIGRATIONS: list[tuple[str, ...]] = [
             PRIMARY KEY (response_id, sequence_number)
         )""",
     ),
+    (
+        # Item ids are scoped to their owner ('' without gateway keys): one tenant's msg_x no longer blocks
+        # another's. The items other owners lost to the old global uniqueness come back from their responses
+        # (the latest response's copy first; the rows already kept win).
+        "UPDATE {s}.response_items SET owner = '' WHERE owner IS NULL",
+        "ALTER TABLE {s}.response_items ALTER COLUMN owner SET DEFAULT '', ALTER COLUMN owner SET NOT NULL",
+        "ALTER TABLE {s}.response_items DROP CONSTRAINT IF EXISTS response_items_pkey",
+        "ALTER TABLE {s}.response_items ADD CONSTRAINT response_items_pkey PRIMARY KEY (owner, item_id)",
+        """INSERT INTO {s}.response_items (owner, item_id, response_id, item)
+           SELECT coalesce(r.owner, ''), e->>'id', r.id, e FROM {s}.responses r, jsonb_array_elements(r.input_items) e
+           WHERE jsonb_typeof(r.input_items) = 'array' AND jsonb_typeof(e) = 'object' AND e ? 'id'
+           ORDER BY r.created_at DESC ON CONFLICT DO NOTHING""",
+        """INSERT INTO {s}.response_items (owner, item_id, response_id, item)
+           SELECT coalesce(r.owner, ''), e->>'id', r.id, e FROM {s}.responses r,
+                  jsonb_array_elements(r.response->'output') e
+           WHERE jsonb_typeof(r.response->'output') = 'array' AND jsonb_typeof(e) = 'object' AND e ? 'id'
+           ORDER BY r.created_at DESC ON CONFLICT DO NOTHING""",
+    ),
 ]
+
+# The history bound's "unbounded".
+_NO_BOUND = 2**62
 
 _COLUMNS = "id, created_at, previous_response_id, status, response, input_items, tool_context, updated_at, owner"
 _RUNNING = "status IN ('queued', 'in_progress')"
@@ -187,25 +210,32 @@ class PostgresResponseStore(ResponseStore):
             f"WHERE NOT {t}.background OR {t}.status IN ('queued', 'in_progress')"
         )
         self._get_sql = f"SELECT {_COLUMNS} FROM {t} WHERE id = $1 AND {_owned(2)}"
+        # The chain's ids with a running total of their JSON's bytes, newest first; the recursion stops at the
+        # depth bound and once the total has passed the byte bound (at most one record past it is measured).
+        size = "octet_length({p}response::text) + octet_length({p}input_items::text)"
         self._chain_sql = f"""
             WITH RECURSIVE chain AS (
-                SELECT 0 AS depth, {_COLUMNS} FROM {t} WHERE id = $1 AND {_owned(3)}
+                SELECT 0 AS depth, id, previous_response_id, ({size.format(p="")})::bigint AS total
+                FROM {t} WHERE id = $1 AND {_owned(3)}
                 UNION ALL
-                SELECT c.depth + 1, r.id, r.created_at, r.previous_response_id, r.status, r.response,
-                       r.input_items, r.tool_context, r.updated_at, r.owner
+                SELECT c.depth + 1, r.id, r.previous_response_id, c.total + {size.format(p="r.")}
                 FROM {t} r JOIN chain c ON r.id = c.previous_response_id
-                WHERE c.depth + 1 < $2 AND {_owned(3, "r.owner")}
+                WHERE c.depth + 1 < $2 AND c.total <= $4 AND {_owned(3, "r.owner")}
             )
-            SELECT {_COLUMNS} FROM chain ORDER BY depth
+            SELECT id, previous_response_id, total FROM chain ORDER BY depth
         """
+        self._chain_rows_sql = f"SELECT {_COLUMNS} FROM {t} WHERE id = ANY($1::text[])"
         self._delete_sql = f"DELETE FROM {t} WHERE id = $1 AND {_owned(2)}"
         self._sweep_sql = f"DELETE FROM {t} WHERE created_at < $1"
         it = f'"{schema}".response_items'
-        # Another owner's item with the same id is never replaced (nor taken over).
+        # Item ids are unique per owner ('' without one): a later write of the same owner's id replaces it.
         self._put_item_sql = (f"INSERT INTO {it} (item_id, response_id, item, owner) VALUES ($1, $2, $3, $4) "
-                              "ON CONFLICT (item_id) DO UPDATE SET response_id = EXCLUDED.response_id, "
-                              f"item = EXCLUDED.item WHERE {it}.owner IS NOT DISTINCT FROM EXCLUDED.owner")
-        self._get_items_sql = f"SELECT item_id, item FROM {it} WHERE item_id = ANY($1::text[]) AND {_owned(2)}"
+                              "ON CONFLICT (owner, item_id) DO UPDATE SET response_id = EXCLUDED.response_id, "
+                              "item = EXCLUDED.item")
+        # Sizes (and where each item is) first; the items only once their total is known to fit.
+        self._item_sizes_sql = (f"SELECT item_id, ctid::text AS at, octet_length(item::text) AS size FROM {it} "
+                                f"WHERE item_id = ANY($1::text[]) AND {_owned(2)}")
+        self._items_at_sql = f"SELECT ctid::text AS at, item FROM {it} WHERE ctid = ANY($1::text[]::tid[])"
         self._delete_items_sql = f"DELETE FROM {it} WHERE response_id = $1"
         self._sweep_items_sql = f"DELETE FROM {it} WHERE response_id IN (SELECT id FROM {t} WHERE created_at < $1)"
         ev = f'"{schema}".response_events'
@@ -232,9 +262,13 @@ class PostgresResponseStore(ResponseStore):
         self._listen_conn: asyncpg.Connection | None = None
         c = f'"{schema}".conversations'
         ci = f'"{schema}".conversation_items'
-        self._conv_items_by_id_sql = (
-            f"SELECT ci.item_id, ci.item FROM {ci} ci JOIN {c} c ON c.id = ci.conversation_id "
-            f"WHERE ci.item_id = ANY($1::text[]) AND {_owned(2, 'c.owner')} ORDER BY c.updated_at, ci.position")
+        self._conv_item_sizes_sql = (
+            f"SELECT ci.item_id, ci.ctid::text AS at, octet_length(ci.item::text) AS size FROM {ci} ci "
+            f"JOIN {c} c ON c.id = ci.conversation_id WHERE ci.item_id = ANY($1::text[]) AND {_owned(2, 'c.owner')} "
+            "ORDER BY c.updated_at, ci.position")
+        self._conv_items_at_sql = f"SELECT ctid::text AS at, item FROM {ci} WHERE ctid = ANY($1::text[]::tid[])"
+        self._conv_bytes_sql = (f"SELECT coalesce(sum(octet_length(item::text)), 0) FROM {ci} "
+                                "WHERE conversation_id = $1")
         self._create_conv_sql = (f"INSERT INTO {c} ({_CONV_COLUMNS}, next_position) "
                                  "VALUES ($1, $2, $3, $4, $5, $6)")
         self._insert_conv_item_sql = (f"INSERT INTO {ci} (conversation_id, item_id, position, item) "
@@ -315,45 +349,66 @@ class PostgresResponseStore(ResponseStore):
         if pool is not None:
             await pool.close()
 
-    async def put(self, record: StoredResponse) -> None:
-        items = [(item_id, record.id, item, record.owner) for item_id, item in record_items(record)]
+    async def put(self, record: StoredResponse | None, turn: ConversationTurn | None = None,
+                  owner: str | None = None) -> bool:
         async with self.pool.acquire() as conn, conn.transaction():
-            await conn.execute(
-                self._put_sql,
-                record.id,
-                record.created_at,
-                record.previous_response_id,
-                record.status,
-                record.response,
-                record.input_items,
-                record.tool_context,
-                record.updated_at,
-                record.owner,
-            )
-            if items:
-                await conn.executemany(self._put_item_sql, items)
+            if record is not None:
+                await conn.execute(self._put_sql, record.id, record.created_at, record.previous_response_id,
+                                   record.status, record.response, record.input_items, record.tool_context,
+                                   record.updated_at, record.owner)
+                items = _item_rows(record)
+                if items:
+                    await conn.executemany(self._put_item_sql, items)
+            if turn is None:
+                return True
+            return await self._append(conn, turn.conversation_id, turn.items, turn.updated_at, owner)
 
     async def get(self, response_id: str, owner: str | None = None) -> StoredResponse | None:
         row = await self.pool.fetchrow(self._get_sql, response_id, owner)
         return None if row is None else _row_to_record(row)
 
     async def get_chain(self, response_id: str, max_depth: int = DEFAULT_MAX_CHAIN_DEPTH,
-                        owner: str | None = None) -> list[StoredResponse]:
+                        owner: str | None = None, max_bytes: int | None = None) -> list[StoredResponse]:
         if max_depth < 1:
             raise ValueError("max_depth must be at least 1")
-        rows = await self.pool.fetch(self._chain_sql, response_id, max_depth, owner)
-        return check_chain(response_id, [_row_to_record(row) for row in rows], max_depth)
+        bound = _NO_BOUND if max_bytes is None else max_bytes
+        async with self.pool.acquire() as conn, conn.transaction(isolation="repeatable_read", readonly=True):
+            sizes = await conn.fetch(self._chain_sql, response_id, max_depth, owner, bound)
+            ids = chain_sizes(response_id, [(r["id"], r["previous_response_id"], r["total"]) for r in sizes],
+                              max_depth, max_bytes)
+            if not ids:
+                return []
+            found = {row["id"]: _row_to_record(row) for row in await conn.fetch(self._chain_rows_sql, ids)}
+        missing = [i for i in ids if i not in found]
+        if missing:  # cannot happen inside the snapshot; kept as the chain's own error
+            raise StoreError(f"response {missing[0]!r} vanished while its chain was read")
+        return [found[i] for i in ids]
 
-    async def get_items(self, item_ids: list[str], owner: str | None = None) -> dict[str, dict[str, Any]]:
+    async def get_items(self, item_ids: list[str], owner: str | None = None,
+                        max_bytes: int | None = None) -> dict[str, dict[str, Any]]:
         ids = list(dict.fromkeys(item_ids))[:1000]
         if not ids:
             return {}
-        async with self.pool.acquire() as conn:
-            found = {row["item_id"]: row["item"] for row in await conn.fetch(self._get_items_sql, ids, owner)}
-            rest = [i for i in ids if i not in found]
+        async with self.pool.acquire() as conn, conn.transaction(isolation="repeatable_read", readonly=True):
+            where: dict[str, tuple[bool, str, int]] = {}
+            for row in await conn.fetch(self._item_sizes_sql, ids, owner):
+                where[row["item_id"]] = (False, row["at"], row["size"])
+            rest = [i for i in ids if i not in where]
             if rest:  # the latest conversation's copy wins
-                for row in await conn.fetch(self._conv_items_by_id_sql, rest, owner):
-                    found[row["item_id"]] = row["item"]
+                for row in await conn.fetch(self._conv_item_sizes_sql, rest, owner):
+                    where[row["item_id"]] = (True, row["at"], row["size"])
+            if max_bytes is not None:
+                total = 0
+                for item_id in ids:
+                    total += where[item_id][2] if item_id in where else 0
+                    if total > max_bytes:
+                        raise HistoryTooLargeError(max_bytes, item_id)
+            found: dict[str, dict[str, Any]] = {}
+            for in_conversation, sql in ((False, self._items_at_sql), (True, self._conv_items_at_sql)):
+                at = {w[1]: item_id for item_id, w in where.items() if w[0] is in_conversation}
+                if at:
+                    for row in await conn.fetch(sql, list(at)):
+                        found[at[row["at"]]] = row["item"]
         return found
 
     async def delete(self, response_id: str, owner: str | None = None) -> bool:
@@ -381,7 +436,7 @@ class PostgresResponseStore(ResponseStore):
     # sent in the writing transaction, so they arrive after the commit, at every replica (this one included).
 
     async def create_background(self, record: StoredResponse, lease_owner: str, lease_expires_at: float) -> None:
-        items = [(item_id, record.id, item, record.owner) for item_id, item in record_items(record)]
+        items = _item_rows(record)
         async with self.pool.acquire() as conn, conn.transaction():
             await conn.execute(self._create_bg_sql, record.id, record.created_at, record.previous_response_id,
                                record.status, record.response, record.input_items, record.tool_context,
@@ -497,20 +552,27 @@ class PostgresResponseStore(ResponseStore):
     async def append_conversation_items(self, conversation_id: str, items: list[dict[str, Any]], updated_at: int,
                                         owner: str | None = None) -> bool:
         async with self.pool.acquire() as conn, conn.transaction():
-            end = await conn.fetchval(self._reserve_sql, conversation_id, len(items), updated_at, owner)
-            if end is None:
-                return False
-            start = int(end) - len(items)
-            if items:
-                await conn.executemany(self._insert_conv_item_sql,
-                                       [(conversation_id, item["id"], start + n, item) for n, item in enumerate(items)])
-            return True
+            return await self._append(conn, conversation_id, items, updated_at, owner)
 
-    async def get_conversation_items(self, conversation_id: str, owner: str | None = None
-                                     ) -> list[dict[str, Any]] | None:
+    async def _append(self, conn: asyncpg.Connection, conversation_id: str, items: list[dict[str, Any]],
+                      updated_at: int, owner: str | None) -> bool:
+        end = await conn.fetchval(self._reserve_sql, conversation_id, len(items), updated_at, owner)
+        if end is None:
+            return False
+        start = int(end) - len(items)
+        if items:
+            await conn.executemany(self._insert_conv_item_sql,
+                                   [(conversation_id, item["id"], start + n, item) for n, item in enumerate(items)])
+        return True
+
+    async def get_conversation_items(self, conversation_id: str, owner: str | None = None,
+                                     max_bytes: int | None = None) -> list[dict[str, Any]] | None:
         async with self.pool.acquire() as conn, conn.transaction(isolation="repeatable_read", readonly=True):
             if await conn.fetchrow(self._get_conv_sql, conversation_id, owner) is None:
                 return None
+            # Measured in the database before any item is loaded.
+            if max_bytes is not None and await conn.fetchval(self._conv_bytes_sql, conversation_id) > max_bytes:
+                raise HistoryTooLargeError(max_bytes)
             return [row["item"] for row in await conn.fetch(self._all_conv_items_sql, conversation_id)]
 
     async def list_conversation_items(self, conversation_id: str, *, limit: int, order: str = "desc",
@@ -543,6 +605,10 @@ class PostgresResponseStore(ResponseStore):
                 return False
             await conn.execute(self._touch_conv_sql, conversation_id, updated_at)
             return True
+
+
+def _item_rows(record: StoredResponse) -> list[tuple[str, str, dict[str, Any], str]]:
+    return [(item_id, record.id, item, record.owner or "") for item_id, item in record_items(record)]
 
 
 def _count(status: str) -> int:

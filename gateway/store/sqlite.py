@@ -2,12 +2,16 @@
 
 Every multi-statement write is one ``BEGIN IMMEDIATE`` transaction: within a process the lock serializes
 calls, across processes sharing the file the write lock does, so concurrent appends to one conversation
-never read the same next position.
+never read the same next position. Commits are durable (``synchronous=FULL``) unless the operator chose
+``--sqlite-synchronous normal``. The database file and its -wal/-shm are 0600, the folders created for it 0700.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
+import os
 import sqlite3
 import threading
 import time
@@ -19,12 +23,14 @@ import orjson
 
 from gateway.store.base import (
     DEFAULT_MAX_CHAIN_DEPTH,
+    ConversationTurn,
     CursorNotFoundError,
+    HistoryTooLargeError,
     ResponseStore,
     StoredConversation,
     StoredResponse,
     StoreError,
-    check_chain,
+    chain_sizes,
     record_items,
 )
 
@@ -103,7 +109,38 @@ MIGRATIONS: list[tuple[str, ...]] = [
             PRIMARY KEY (response_id, sequence_number)
         ) WITHOUT ROWID""",
     ),
+    (
+        # Item ids are scoped to their owner ('' without gateway keys): one tenant's msg_x no longer blocks
+        # another's. The items other owners lost to the old global uniqueness come back from their responses
+        # (the latest response's copy first; the rows already kept win).
+        """CREATE TABLE response_items_by_owner (
+            owner TEXT NOT NULL DEFAULT '',
+            item_id TEXT NOT NULL,
+            response_id TEXT NOT NULL,
+            item TEXT NOT NULL,
+            PRIMARY KEY (owner, item_id)
+        )""",
+        """INSERT INTO response_items_by_owner (owner, item_id, response_id, item)
+           SELECT coalesce(owner, ''), item_id, response_id, item FROM response_items""",
+        """INSERT OR IGNORE INTO response_items_by_owner (owner, item_id, response_id, item)
+           SELECT coalesce(r.owner, ''), json_extract(j.value, '$.id'), r.id, j.value
+           FROM responses r, json_each(r.input_items) j
+           WHERE j.type = 'object' AND json_extract(j.value, '$.id') IS NOT NULL ORDER BY r.created_at DESC""",
+        """INSERT OR IGNORE INTO response_items_by_owner (owner, item_id, response_id, item)
+           SELECT coalesce(r.owner, ''), json_extract(j.value, '$.id'), r.id, j.value
+           FROM responses r, json_each(r.response, '$.output') j
+           WHERE j.type = 'object' AND json_extract(j.value, '$.id') IS NOT NULL ORDER BY r.created_at DESC""",
+        "DROP TABLE response_items",
+        "ALTER TABLE response_items_by_owner RENAME TO response_items",
+        "CREATE INDEX IF NOT EXISTS response_items_response ON response_items (response_id)",
+    ),
 ]
+
+# The history bound's "unbounded".
+_NO_BOUND = 2**62
+# Bytes (not characters) of a stored JSON text.
+_BYTES = "length(CAST({} AS BLOB))"
+_RECORD_BYTES = (f"{_BYTES.format('{p}response')} + {_BYTES.format('{p}input_items')}")
 
 # "(? IS NULL OR owner = ?)", bound to (owner, owner): no owner given means single-tenant, no filter.
 _OWNED = "(? IS NULL OR owner = ?)"
@@ -113,17 +150,31 @@ _MAX_POSITION = 2**62
 _COLUMNS = "id, created_at, previous_response_id, status, response, input_items, tool_context, updated_at, owner"
 _RUNNING = "status IN ('queued', 'in_progress')"
 
+# The chain's ids with a running total of their stored bytes, newest first; the recursion stops at the depth
+# bound and once the total has passed the byte bound, so no more than one record past it is ever measured.
 _CHAIN_SQL = f"""
-WITH RECURSIVE chain(depth, {_COLUMNS}) AS (
-    SELECT 0, {_COLUMNS} FROM responses WHERE id = ? AND {_OWNED}
+WITH RECURSIVE chain(depth, id, previous_response_id, total) AS (
+    SELECT 0, id, previous_response_id, {_RECORD_BYTES.format(p="")} FROM responses WHERE id = ? AND {_OWNED}
     UNION ALL
-    SELECT c.depth + 1, r.id, r.created_at, r.previous_response_id, r.status, r.response,
-           r.input_items, r.tool_context, r.updated_at, r.owner
+    SELECT c.depth + 1, r.id, r.previous_response_id, c.total + {_RECORD_BYTES.format(p="r.")}
     FROM responses r JOIN chain c ON r.id = c.previous_response_id
-    WHERE c.depth + 1 < ? AND (? IS NULL OR r.owner = ?)
+    WHERE c.depth + 1 < ? AND c.total <= ? AND (? IS NULL OR r.owner = ?)
 )
-SELECT {_COLUMNS} FROM chain ORDER BY depth
+SELECT id, previous_response_id, total FROM chain ORDER BY depth
 """
+
+_PUT_SQL = (
+    f"INSERT INTO responses ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) "
+    "ON CONFLICT (id) DO UPDATE SET created_at = excluded.created_at, "
+    "previous_response_id = excluded.previous_response_id, status = excluded.status, "
+    "response = excluded.response, input_items = excluded.input_items, "
+    "tool_context = excluded.tool_context, updated_at = excluded.updated_at, owner = excluded.owner "
+    # A background response's final status is final: a late write of its run is dropped.
+    "WHERE NOT responses.background OR responses.status IN ('queued', 'in_progress')"
+)
+# Item ids are unique per owner ('' without one): a later write of the same owner's id replaces it.
+_PUT_ITEM_SQL = ("INSERT INTO response_items (item_id, response_id, item, owner) VALUES (?, ?, ?, ?) "
+                 "ON CONFLICT (owner, item_id) DO UPDATE SET response_id = excluded.response_id, item = excluded.item")
 
 
 def _dumps(value: Any) -> str:
@@ -166,6 +217,62 @@ def _transaction(db: sqlite3.Connection, fn: Callable[[sqlite3.Connection], T], 
     return out
 
 
+def _record_params(record: StoredResponse) -> tuple[Any, ...]:
+    return (record.id, record.created_at, record.previous_response_id, record.status, _dumps(record.response),
+            _dumps(record.input_items), None if record.tool_context is None else _dumps(record.tool_context),
+            record.updated_at, record.owner)
+
+
+def _item_rows(record: StoredResponse) -> list[tuple[str, str, str, str]]:
+    return [(item_id, record.id, _dumps(item), record.owner or "") for item_id, item in record_items(record)]
+
+
+def _append_items(db: sqlite3.Connection, conversation_id: str, items: list[dict[str, Any]], updated_at: int,
+                  owner: str | None) -> bool:
+    # The UPDATE takes the write lock and reserves len(items) positions in one statement.
+    row = db.execute(
+        "UPDATE conversations SET next_position = next_position + ?, updated_at = max(updated_at, ?) "
+        f"WHERE id = ? AND {_OWNED} RETURNING next_position",
+        (len(items), updated_at, conversation_id, owner, owner)).fetchone()
+    if row is None:
+        return False
+    _insert_items(db, conversation_id, int(row[0]) - len(items), items)
+    return True
+
+
+def _create_private(path: Path) -> None:
+    """The database file (and the folders the gateway creates for it) readable by this user only: 0600 / 0700,
+    whatever the umask; an existing file is tightened."""
+    missing = []
+    parent = path.parent
+    while not parent.exists():
+        missing.append(parent)
+        parent = parent.parent
+    for folder in reversed(missing):
+        with contextlib.suppress(FileExistsError):  # another process made it meanwhile
+            os.mkdir(folder, 0o700)
+        os.chmod(folder, 0o700)
+    os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))  # made 0600 whatever the umask; sqlite3 opens it after
+    _private(path)
+    _tighten_sidecars(path)
+
+
+def _tighten_sidecars(path: Path) -> None:
+    # SQLite gives -wal/-shm the database file's mode when it creates them; files left by an older gateway
+    # (or created before the database was tightened) are tightened here.
+    for suffix in ("-wal", "-shm", "-journal"):
+        with contextlib.suppress(FileNotFoundError):
+            _private(Path(f"{path}{suffix}"))
+
+
+def _private(path: Path) -> None:
+    # A file another user owns (shared through its group) cannot be tightened by this one: said, not fatal.
+    try:
+        os.chmod(path, 0o600)
+    except PermissionError:
+        logging.getLogger(__name__).warning("could not make %s private (0600): not its owner", path)
+
+
 def _insert_items(db: sqlite3.Connection, conversation_id: str, start: int, items: list[dict[str, Any]]) -> None:
     db.executemany(
         "INSERT INTO conversation_items (conversation_id, item_id, position, item) VALUES (?, ?, ?, ?) "
@@ -177,9 +284,12 @@ def _insert_items(db: sqlite3.Connection, conversation_id: str, start: int, item
 class SqliteResponseStore(ResponseStore):
     """A single-file store for one host. Several processes may share the file (WAL + busy_timeout)."""
 
-    def __init__(self, path: str | Path, busy_timeout_ms: int = 5000) -> None:
+    def __init__(self, path: str | Path, busy_timeout_ms: int = 5000, synchronous: str = "full") -> None:
+        if synchronous not in ("full", "normal"):
+            raise ValueError(f"sqlite synchronous must be 'full' or 'normal', not {synchronous!r}")
         self.path = Path(path)
         self._busy_timeout_ms = busy_timeout_ms
+        self.synchronous = synchronous
         self._db: sqlite3.Connection | None = None
         # sqlite3 connections are not safe for concurrent use; one lock keeps every call serial.
         self._lock = threading.Lock()
@@ -203,16 +313,18 @@ class SqliteResponseStore(ResponseStore):
                 raise StoreError("SqliteResponseStore cannot be restarted after close()")
             if self._db is not None:
                 return
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            _create_private(self.path)
             # isolation_level=None: autocommit, so each write statement is its own committed
             # transaction and multi-statement ones are explicit below.
             db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
             try:
                 db.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout_ms)}")
                 db.execute("PRAGMA journal_mode = WAL")
-                # NORMAL in WAL mode survives a killed process (not a power cut) at a fraction of FULL's cost.
-                db.execute("PRAGMA synchronous = NORMAL")
+                # FULL (the default): a commit is on disk when it returns, as put() promises. NORMAL in WAL mode
+                # survives a killed process but may lose the last commits on a power cut (--sqlite-synchronous).
+                db.execute(f"PRAGMA synchronous = {self.synchronous.upper()}")
                 self._migrate(db)
+                _tighten_sidecars(self.path)
             except BaseException:
                 db.close()
                 raise
@@ -258,46 +370,20 @@ class SqliteResponseStore(ResponseStore):
 
         await asyncio.to_thread(close_sync)
 
-    async def put(self, record: StoredResponse) -> None:
-        params = (
-            record.id,
-            record.created_at,
-            record.previous_response_id,
-            record.status,
-            _dumps(record.response),
-            _dumps(record.input_items),
-            None if record.tool_context is None else _dumps(record.tool_context),
-            record.updated_at,
-            record.owner,
-        )
-        items = [(item_id, record.id, _dumps(item), record.owner) for item_id, item in record_items(record)]
+    async def put(self, record: StoredResponse | None, turn: ConversationTurn | None = None,
+                  owner: str | None = None) -> bool:
+        params = None if record is None else _record_params(record)
+        items = [] if record is None else _item_rows(record)
 
-        def write(db: sqlite3.Connection) -> None:
-            db.execute("BEGIN")
-            try:
-                db.execute(
-                    f"INSERT INTO responses ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) "
-                    "ON CONFLICT (id) DO UPDATE SET created_at = excluded.created_at, "
-                    "previous_response_id = excluded.previous_response_id, status = excluded.status, "
-                    "response = excluded.response, input_items = excluded.input_items, "
-                    "tool_context = excluded.tool_context, updated_at = excluded.updated_at, owner = excluded.owner "
-                    # A background response's final status is final: a late write of its run is dropped.
-                    "WHERE NOT responses.background OR responses.status IN ('queued', 'in_progress')",
-                    params,
-                )
-                # Another owner's item with the same id is never replaced (nor taken over).
-                db.executemany(
-                    "INSERT INTO response_items (item_id, response_id, item, owner) VALUES (?, ?, ?, ?) "
-                    "ON CONFLICT (item_id) DO UPDATE SET response_id = excluded.response_id, item = excluded.item "
-                    "WHERE response_items.owner IS excluded.owner",
-                    items,
-                )
-                db.execute("COMMIT")
-            except BaseException:
-                db.execute("ROLLBACK")
-                raise
+        def run(db: sqlite3.Connection) -> bool:
+            if params is not None:
+                db.execute(_PUT_SQL, params)
+                db.executemany(_PUT_ITEM_SQL, items)
+            if turn is None:
+                return True
+            return _append_items(db, turn.conversation_id, turn.items, turn.updated_at, owner)
 
-        await self._run(write)
+        return await self._run(lambda db: _transaction(db, run))
 
     async def get(self, response_id: str, owner: str | None = None) -> StoredResponse | None:
         row = await self._run(lambda db: db.execute(
@@ -305,31 +391,63 @@ class SqliteResponseStore(ResponseStore):
         return None if row is None else _row_to_record(row)
 
     async def get_chain(self, response_id: str, max_depth: int = DEFAULT_MAX_CHAIN_DEPTH,
-                        owner: str | None = None) -> list[StoredResponse]:
+                        owner: str | None = None, max_bytes: int | None = None) -> list[StoredResponse]:
         if max_depth < 1:
             raise ValueError("max_depth must be at least 1")
-        rows = await self._run(lambda db: db.execute(
-            _CHAIN_SQL, (response_id, owner, owner, max_depth, owner, owner)).fetchall())
-        return check_chain(response_id, [_row_to_record(row) for row in rows], max_depth)
+        bound = _NO_BOUND if max_bytes is None else max_bytes
 
-    async def get_items(self, item_ids: list[str], owner: str | None = None) -> dict[str, dict[str, Any]]:
+        def run(db: sqlite3.Connection) -> list[StoredResponse]:
+            sizes = db.execute(_CHAIN_SQL, (response_id, owner, owner, max_depth, bound, owner, owner)).fetchall()
+            ids = chain_sizes(response_id, sizes, max_depth, max_bytes)
+            if not ids:
+                return []
+            marks = ", ".join("?" * len(ids))
+            # Row by row: each record's JSON text is dropped once parsed.
+            found = {rec.id: rec for rec in map(_row_to_record, db.execute(
+                f"SELECT {_COLUMNS} FROM responses WHERE id IN ({marks})", ids))}
+            missing = [i for i in ids if i not in found]
+            if missing:  # cannot happen inside the read transaction; kept as the chain's own error
+                raise StoreError(f"response {missing[0]!r} vanished while its chain was read")
+            return [found[i] for i in ids]
+
+        return await self._run(lambda db: _transaction(db, run, "BEGIN"))
+
+    async def get_items(self, item_ids: list[str], owner: str | None = None,
+                        max_bytes: int | None = None) -> dict[str, dict[str, Any]]:
         ids = list(dict.fromkeys(item_ids))[:1000]
         if not ids:
             return {}
 
         def run(db: sqlite3.Connection) -> dict[str, dict[str, Any]]:
             marks = ", ".join("?" * len(ids))
-            found = {row[0]: orjson.loads(row[1]) for row in db.execute(
-                f"SELECT item_id, item FROM response_items WHERE item_id IN ({marks}) AND {_OWNED}",
-                (*ids, owner, owner))}
-            rest = [i for i in ids if i not in found]
+            # Sizes and row ids first; the items themselves only once their total is known to fit.
+            where: dict[str, tuple[str, int, int]] = {}
+            for item_id, rowid, size in db.execute(
+                    f"SELECT item_id, rowid, {_BYTES.format('item')} FROM response_items "
+                    f"WHERE item_id IN ({marks}) AND {_OWNED} ORDER BY rowid", (*ids, owner, owner)):
+                where[item_id] = ("response_items", rowid, size)
+            rest = [i for i in ids if i not in where]
             if rest:
                 marks = ", ".join("?" * len(rest))
-                for row in db.execute(  # the latest conversation's copy wins
-                        "SELECT ci.item_id, ci.item FROM conversation_items ci JOIN conversations c "
-                        f"ON c.id = ci.conversation_id WHERE ci.item_id IN ({marks}) AND (? IS NULL OR c.owner = ?) "
-                        "ORDER BY c.updated_at, ci.position", (*rest, owner, owner)):
-                    found[row[0]] = orjson.loads(row[1])
+                for item_id, rowid, size in db.execute(  # the latest conversation's copy wins
+                        f"SELECT ci.item_id, ci.rowid, {_BYTES.format('ci.item')} FROM conversation_items ci "
+                        f"JOIN conversations c ON c.id = ci.conversation_id WHERE ci.item_id IN ({marks}) "
+                        "AND (? IS NULL OR c.owner = ?) ORDER BY c.updated_at, ci.position", (*rest, owner, owner)):
+                    where[item_id] = ("conversation_items", rowid, size)
+            if max_bytes is not None:
+                total = 0
+                for item_id in ids:
+                    total += where[item_id][2] if item_id in where else 0
+                    if total > max_bytes:
+                        raise HistoryTooLargeError(max_bytes, item_id)
+            found: dict[str, dict[str, Any]] = {}
+            for table in ("response_items", "conversation_items"):
+                rowids = {w[1]: item_id for item_id, w in where.items() if w[0] == table}
+                if rowids:
+                    marks = ", ".join("?" * len(rowids))
+                    for rowid, item in db.execute(f"SELECT rowid, item FROM {table} WHERE rowid IN ({marks})",
+                                                  list(rowids)):
+                        found[rowids[rowid]] = orjson.loads(item)
             return found
 
         return await self._run(lambda db: _transaction(db, run, "BEGIN"))
@@ -362,18 +480,13 @@ class SqliteResponseStore(ResponseStore):
     # Other processes sharing the file get no notification: their followers and heartbeats poll.
 
     async def create_background(self, record: StoredResponse, lease_owner: str, lease_expires_at: float) -> None:
-        params = (record.id, record.created_at, record.previous_response_id, record.status, _dumps(record.response),
-                  _dumps(record.input_items), None if record.tool_context is None else _dumps(record.tool_context),
-                  record.updated_at, record.owner, lease_owner, _ms(lease_expires_at))
-        items = [(item_id, record.id, _dumps(item), record.owner) for item_id, item in record_items(record)]
+        params = (*_record_params(record), lease_owner, _ms(lease_expires_at))
+        items = _item_rows(record)
 
         def run(db: sqlite3.Connection) -> None:
             db.execute(f"INSERT INTO responses ({_COLUMNS}, background, lease_owner, lease_expires_at) "
                        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 1, ?, ?)", params)
-            db.executemany(
-                "INSERT INTO response_items (item_id, response_id, item, owner) VALUES (?, ?, ?, ?) "
-                "ON CONFLICT (item_id) DO UPDATE SET response_id = excluded.response_id, item = excluded.item "
-                "WHERE response_items.owner IS excluded.owner", items)
+            db.executemany(_PUT_ITEM_SQL, items)
 
         await self._run(lambda db: _transaction(db, run))
 
@@ -501,25 +614,20 @@ class SqliteResponseStore(ResponseStore):
 
     async def append_conversation_items(self, conversation_id: str, items: list[dict[str, Any]], updated_at: int,
                                         owner: str | None = None) -> bool:
-        def run(db: sqlite3.Connection) -> bool:
-            # The UPDATE takes the write lock and reserves len(items) positions in one statement.
-            row = db.execute(
-                "UPDATE conversations SET next_position = next_position + ?, updated_at = max(updated_at, ?) "
-                f"WHERE id = ? AND {_OWNED} RETURNING next_position",
-                (len(items), updated_at, conversation_id, owner, owner)).fetchone()
-            if row is None:
-                return False
-            _insert_items(db, conversation_id, int(row[0]) - len(items), items)
-            return True
+        return await self._run(lambda db: _transaction(
+            db, lambda db: _append_items(db, conversation_id, items, updated_at, owner)))
 
-        return await self._run(lambda db: _transaction(db, run))
-
-    async def get_conversation_items(self, conversation_id: str, owner: str | None = None
-                                     ) -> list[dict[str, Any]] | None:
+    async def get_conversation_items(self, conversation_id: str, owner: str | None = None,
+                                     max_bytes: int | None = None) -> list[dict[str, Any]] | None:
         def run(db: sqlite3.Connection) -> list[dict[str, Any]] | None:
             if db.execute(f"SELECT 1 FROM conversations WHERE id = ? AND {_OWNED}",
                           (conversation_id, owner, owner)).fetchone() is None:
                 return None
+            if max_bytes is not None:  # measured in the database before any item is loaded
+                total = db.execute(f"SELECT coalesce(sum({_BYTES.format('item')}), 0) FROM conversation_items "
+                                   "WHERE conversation_id = ?", (conversation_id,)).fetchone()[0]
+                if total > max_bytes:
+                    raise HistoryTooLargeError(max_bytes)
             return [orjson.loads(row[0]) for row in db.execute(
                 "SELECT item FROM conversation_items WHERE conversation_id = ? ORDER BY position",
                 (conversation_id,))]

@@ -8,9 +8,12 @@ client that blob as ``encrypted_content``; when the item comes back, the blob is
 reasoning item with its text (the form it accepts), never the blob.
 
 Blob: ``base64url(0x01 | key id (4 bytes) | nonce (12 bytes) | AES-GCM(ciphertext + tag))``; the plaintext is
-JSON ``{"id", "text"}``; the associated data binds the format version. A blob that does not open (another
-deployment's key, tampered, truncated) opens to None: the caller drops it and counts it, so a key rotation
-never breaks a running session. Several keys may be configured: the first seals, all open.
+JSON ``{"id", "text"}``; the associated data binds the format version and the owner (the keyed hash of the
+gateway API key the blob was sealed for), so a blob handed to another key holder does not open for them. A blob
+that does not open (another deployment's key, another owner's, tampered, truncated) opens to None: the caller
+drops it and counts it, so a key rotation never breaks a running session. Several keys may be configured: the
+first seals, all open. Without gateway keys (owner None) the associated data is the version's alone, as it was
+before owners were bound: blobs sealed then still open on keyless gateways, and never for an owner.
 """
 
 from __future__ import annotations
@@ -47,6 +50,10 @@ def parse_keys(value: str | Sequence[str]) -> list[bytes]:
     return keys
 
 
+def _aad(owner: str | None) -> bytes:
+    return _AAD if owner is None else _AAD + b"/owner:" + owner.encode()
+
+
 def reasoning_text(item: Mapping[str, Any]) -> str:
     """The reasoning's text: its ``content`` parts, else its summary."""
     parts = item.get("content")
@@ -72,15 +79,17 @@ class ReasoningSealer:
     def random(cls) -> ReasoningSealer:
         return cls([os.urandom(32)])
 
-    def seal(self, item: Mapping[str, Any]) -> str:
+    def seal(self, item: Mapping[str, Any], owner: str | None = None) -> str:
+        """The blob of ``item``, opening only for ``owner`` (None: a gateway without API keys)."""
         key_id, cipher = self._ciphers[0]
         nonce = os.urandom(_NONCE)
         plain = orjson.dumps({"id": item.get("id"), "text": reasoning_text(item)})
-        blob = _VERSION + key_id + nonce + cipher.encrypt(nonce, plain, _AAD)
+        blob = _VERSION + key_id + nonce + cipher.encrypt(nonce, plain, _aad(owner))
         return base64.urlsafe_b64encode(blob).decode().rstrip("=")
 
-    def open(self, blob: Any) -> dict[str, Any] | None:
-        """The sealed ``{"id", "text"}``, or None when the blob does not open (with any configured key)."""
+    def open(self, blob: Any, owner: str | None = None) -> dict[str, Any] | None:
+        """The sealed ``{"id", "text"}``, or None when the blob does not open (with any configured key) for
+        ``owner``."""
         from cryptography.exceptions import InvalidTag
 
         if not isinstance(blob, str) or not blob:
@@ -92,10 +101,11 @@ class ReasoningSealer:
         if len(raw) < 1 + 4 + _NONCE + 16 or raw[:1] != _VERSION:
             return None
         key_id, nonce, sealed = raw[1:5], raw[5:5 + _NONCE], raw[5 + _NONCE:]
+        aad = _aad(owner)
         # The key named by the blob first, then the others (a key id collision costs one more try).
         for _kid, cipher in sorted(self._ciphers, key=lambda c: c[0] != key_id):
             try:
-                plain = cipher.decrypt(nonce, sealed, _AAD)
+                plain = cipher.decrypt(nonce, sealed, aad)
             except InvalidTag:
                 continue
             try:
@@ -106,17 +116,18 @@ class ReasoningSealer:
         return None
 
 
-def open_sealed_reasoning(items: Sequence[Any], sealer: ReasoningSealer | None) -> tuple[list[Any], int]:
+def open_sealed_reasoning(items: Sequence[Any], sealer: ReasoningSealer | None,
+                          owner: str | None = None) -> tuple[list[Any], int]:
     """Input items with every sealed reasoning item opened into the form vLLM accepts (its text as
-    ``reasoning_text`` content, no ``encrypted_content``); how many blobs did not open (those are dropped, and
-    their item too when it carries no readable text of its own)."""
+    ``reasoning_text`` content, no ``encrypted_content``); how many blobs did not open for ``owner`` (those are
+    dropped, and their item too when it carries no readable text of its own)."""
     out: list[Any] = []
     rejected = 0
     for item in items:
         if not (isinstance(item, dict) and item.get("type") == "reasoning" and item.get("encrypted_content")):
             out.append(item)
             continue
-        opened = sealer.open(item["encrypted_content"]) if sealer is not None else None
+        opened = sealer.open(item["encrypted_content"], owner) if sealer is not None else None
         rest = {k: v for k, v in item.items() if k != "encrypted_content"}
         if opened is None:
             rejected += 1
