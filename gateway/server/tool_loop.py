@@ -5,8 +5,9 @@ a non-streamed answer), and which the WebSocket transport and background runs co
 A response with MCP tools runs as:
 
 1. *Listing* (before any upstream request): for each MCP server, its tools are listed (``tools/list``, filtered
-   by ``allowed_tools``) — or reused from an ``mcp_list_tools`` item already in the conversation — and shown as
-   an ``mcp_list_tools`` item. A server that cannot be listed gets the item's ``error`` and is left out.
+   by ``allowed_tools``) — or reused from an ``mcp_list_tools`` item already in the conversation, except for a
+   servers-file server, whose listing is never taken from the client — and shown as an ``mcp_list_tools`` item.
+   A server that cannot be listed gets the item's ``error`` and is left out.
 2. *Approvals* carried by the input (``mcp_approval_response``): approved calls run now and are shown as
    ``mcp_call`` items with their ``approval_request_id``; denied ones are told to the model (rewrite.py).
    An approval runs a call only if this gateway issued that request to this owner: its id is a MAC over the
@@ -258,6 +259,9 @@ class ToolLoop:
         still a clean 400."""
         ctx = self.state.ctx
         reused = reused_listings([*self.history, *self.new_input])  # the chain, or the history the client sent
+        # A listing the client sent is its word: a servers-file server (the operator's credentials) is listed anew.
+        reused = {label: item for label, item in reused.items()
+                  if CEILING_APPROVAL not in (ctx.mcp_server(label) or {})}
         listed: dict[str, list[dict[str, Any]]] = {}
         shown: list[Shown] = []
         to_list = [str(t["server_label"]) for t in ctx.mcp_tools if str(t["server_label"]) not in reused]
