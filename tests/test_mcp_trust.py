@@ -302,6 +302,10 @@ def test_star_allows_public_hosts() -> None:
     assert policy.check_addresses("https://mcp.example.com/mcp", ["93.184.215.14"]) is None
     assert policy.check_addresses("https://mcp.example.com/mcp", ["93.184.215.14", "10.1.1.1"]) is not None
     assert policy.check_addresses("https://mcp.example.com/mcp", ["64:ff9b::a9fe:a9fe"]) is not None
+    # listening on every address: the machine's own addresses on the gateway's port are the gateway
+    everywhere = HostPolicy.from_settings("*", listen=("0.0.0.0", 8080), local_addresses=["8.8.4.4"])
+    assert everywhere.check("http://8.8.4.4:8080/mcp") is not None
+    assert everywhere.check("http://8.8.8.8:8080/mcp") is None and everywhere.check("http://8.8.4.4:9/mcp") is None
 
 
 class _RecordingBackend(httpcore2.AsyncNetworkBackend):

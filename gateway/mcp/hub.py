@@ -14,6 +14,7 @@ the pool only: the tools echoed in the response and stored are stripped of them 
 from __future__ import annotations
 
 import dataclasses
+import socket
 from collections.abc import Mapping
 from typing import Any
 
@@ -48,6 +49,16 @@ class _Executor:
         return McpCallOutcome(output=result.output, error=result.error)
 
 
+def _local_addresses(listen_host: str) -> list[str]:
+    """The machine's own addresses when the gateway listens on all of them (best effort, at start-up)."""
+    if listen_host.strip("[]") not in ("0.0.0.0", "::", ""):
+        return []
+    try:
+        return [str(info[4][0]) for info in socket.getaddrinfo(socket.gethostname(), None)]
+    except OSError:
+        return []
+
+
 def _narrowed(configured: Any, requested: Any) -> Any:
     """``allowed_tools`` of a servers-file entry narrowed by the request's: names intersected, ``read_only`` if
     either says so. None: every tool."""
@@ -70,7 +81,8 @@ class GatewayMcpHub:
                                                     if settings.mcp_servers_file else {})
         self.policy = HostPolicy.from_settings(",".join(settings.mcp_allowed_hosts),
                                                [c.host_pattern for c in self.servers.values()],
-                                               listen=(settings.host, settings.port))
+                                               listen=(settings.host, settings.port),
+                                               local_addresses=_local_addresses(settings.host))
         self.pool = pool or McpPool(policy=self.policy)
 
     async def aclose(self) -> None:

@@ -83,10 +83,12 @@ def _embedded_ipv4(ip: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
     return None
 
 
-def sensitive_ip(ip: IpAddress, own: tuple[IpAddress | None, int] | None = None, port: int | None = None
-                 ) -> str | None:
-    """Why connecting to ``ip`` needs an explicit listing (None: a public address). ``own``: the gateway's
-    listen address and port (an unspecified address stands for every local one)."""
+Own = tuple[frozenset[IpAddress], int]  # the gateway's own addresses and its port
+
+
+def sensitive_ip(ip: IpAddress, own: Own | None = None, port: int | None = None) -> str | None:
+    """Why connecting to ``ip`` needs an explicit listing (None: a public address). ``own``: the gateway's own
+    addresses and listen port."""
     if isinstance(ip, ipaddress.IPv6Address):
         inner = _embedded_ipv4(ip)
         if inner is not None:
@@ -94,7 +96,7 @@ def sensitive_ip(ip: IpAddress, own: tuple[IpAddress | None, int] | None = None,
             return f"{why} (embedded in {ip})" if why else None
     if ip in _METADATA_ADDRESSES:
         return "a cloud metadata endpoint"
-    if own is not None and port == own[1] and (ip == own[0] or (own[0] is not None and own[0].is_unspecified)):
+    if own is not None and port == own[1] and ip in own[0]:
         return "the gateway's own listen address"
     if ip.is_loopback or ip.is_unspecified:
         return "a loopback address"
@@ -109,7 +111,7 @@ def sensitive_ip(ip: IpAddress, own: tuple[IpAddress | None, int] | None = None,
     return None
 
 
-def _sensitive_host(host: str, port: int, own: tuple[IpAddress | None, int] | None) -> str | None:
+def _sensitive_host(host: str, port: int, own: Own | None) -> str | None:
     """Why ``host`` (normalized) needs an explicit listing, or None."""
     if host in _METADATA_NAMES:
         return "a cloud metadata endpoint"
@@ -211,21 +213,26 @@ class HostPolicy:
     # Hosts of the servers file: reachable through their labels, not by a request's own server_url.
     reserved: tuple[HostPattern, ...] = ()
     # The gateway's own listen address and port.
-    own: tuple[IpAddress | None, int] | None = None
+    own: Own | None = None
 
     @classmethod
     def from_settings(cls, allowed: str, servers_file_hosts: Iterable[str] = (), *,
-                      listen: tuple[str, int] | None = None) -> HostPolicy:
+                      listen: tuple[str, int] | None = None, local_addresses: Iterable[str] = ()) -> HostPolicy:
         """``allowed``: comma-separated patterns (``""`` allows nothing). ``servers_file_hosts``: the
         ``host:port`` of each URL in the servers file, reserved to their labels. ``listen``: the gateway's own
-        host and port. ValueError on a malformed pattern (a start-up error)."""
+        host and port; ``local_addresses``: the machine's own addresses, which a wildcard listen address stands
+        for (the caller looks them up). ValueError on a malformed pattern (a start-up error)."""
         texts = [t for t in allowed.split(",") if t.strip()]
         patterns = [HostPattern.parse(t) for t in texts]
         reserved = [HostPattern.parse(h) for h in servers_file_hosts]
         own = None
         if listen is not None:
             host = _normalize_host(listen[0])
-            own = (_parse_ip(host) if host not in _LOCAL_NAMES else ipaddress.ip_address("127.0.0.1"), listen[1])
+            ip = _parse_ip(host) if host not in _LOCAL_NAMES else ipaddress.ip_address("127.0.0.1")
+            ips = {ip} if ip is not None else set()
+            if ip is None or ip.is_unspecified:
+                ips |= {a for a in (_parse_ip(_normalize_host(t.split("%", 1)[0])) for t in local_addresses) if a}
+            own = (frozenset(ips), listen[1])
         return cls(tuple(dict.fromkeys(patterns)), tuple(dict.fromkeys(reserved)), own)
 
     def _named(self, host: str, port: int) -> bool:
