@@ -447,8 +447,8 @@ class McpPool:
     """Pooled MCP client sessions; one per process, closed with ``aclose()`` at shutdown.
 
     ``list_tools`` raises ``McpServerError``; ``call_tool`` never raises for server trouble, it returns an
-    ``McpCallResult`` with ``error``. With a ``policy``, every URL is checked before connecting, and host
-    names are resolved first so a name pointing at a metadata or link-local address is refused.
+    ``McpCallResult`` with ``error``. With a ``policy``, every URL (but a servers-file server's) is checked
+    before connecting, and every connection goes to an address the policy accepts (``PinnedBackend``).
     """
 
     def __init__(
