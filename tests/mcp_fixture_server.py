@@ -25,6 +25,7 @@ from typing import Any
 import anyio
 import uvicorn
 from mcp.server.mcpserver import Context, MCPServer
+from mcp.server.transport_security import TransportSecuritySettings
 from mcp.shared.exceptions import MCPError
 from mcp.types import CallToolResult
 from starlette.requests import Request
@@ -109,10 +110,16 @@ def main() -> None:
     parser.add_argument("--fd", type=int, default=None, help="an inherited listening socket")
     parser.add_argument("--port", type=int, default=0)
     args = parser.parse_args()
+    # The SDK's DNS-rebinding protection, plus mcp.test: the gateway's address tests reach this server under that
+    # name through a resolver of their own (the connection goes to the address the check saw).
+    security = TransportSecuritySettings(
+        enable_dns_rebinding_protection=True,
+        allowed_hosts=["127.0.0.1:*", "localhost:*", "[::1]:*", "mcp.test:*"],
+        allowed_origins=["http://127.0.0.1:*", "http://localhost:*", "http://[::1]:*"])
     if args.transport == "streamable-http":
-        app = server.streamable_http_app()
+        app = server.streamable_http_app(transport_security=security)
     else:
-        app = server.sse_app()
+        app = server.sse_app(transport_security=security)
         # The same SSE endpoint under a path that does not end in /sse, so a client has to discover the
         # transport (POST answered 405, then GET as SSE) instead of guessing it from the URL.
         sse_route = next(r for r in app.routes if isinstance(r, Route) and r.path == "/sse")

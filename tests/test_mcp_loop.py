@@ -55,7 +55,7 @@ class FakeHub:
         self.listed: list[str] = []
         self.calls: list[tuple[str, str, dict[str, Any]]] = []
 
-    def bind(self, ctx: Any, body: Any) -> tuple[Any, FakeExecutor]:
+    def bind(self, ctx: Any, body: Any, owner: str | None = None) -> tuple[Any, FakeExecutor]:
         return ctx, FakeExecutor(self)
 
 

@@ -291,8 +291,8 @@ async def test_pool_is_bounded_lru(mcp_fixture_server: McpTestServer) -> None:
         for who in ("a", "b", "c"):
             await pool.call_tool(ref(mcp_fixture_server, authorization=who), "add", {"a": 1, "b": 1}, timeout=5)
             assert pool.session_count <= 2
-        keys = [k[1] for k in pool._sessions]
-        assert ref(mcp_fixture_server, authorization="a").pool_key()[1] not in keys  # the oldest went
+        keys = [k[2] for k in pool._sessions]
+        assert ref(mcp_fixture_server, authorization="a").pool_key()[2] not in keys  # the oldest went
     finally:
         await pool.aclose()
 
@@ -363,7 +363,8 @@ async def test_no_secrets_in_logs(
 
 @pytest.mark.parametrize(("allowed", "url", "ok"), [
     ("*", "https://mcp.example.com/mcp", True),
-    ("*", "http://127.0.0.1:8000/mcp", True),
+    ("*", "http://127.0.0.1:8000/mcp", False),  # '*' never includes loopback
+    ("127.0.0.1", "http://127.0.0.1:8000/mcp", True),
     ("mcp.example.com", "https://mcp.example.com/mcp", True),
     ("mcp.example.com", "https://MCP.Example.COM./mcp", True),
     ("mcp.example.com", "https://other.example.com/mcp", False),
@@ -413,11 +414,14 @@ def test_policy_allows_sensitive_hosts_listed_explicitly() -> None:
     assert policy.check("http://169.254.1.1/x") is not None
 
 
-def test_policy_servers_file_hosts_count_as_explicit() -> None:
-    policy = HostPolicy.from_settings("", ["169.254.10.10:8080", "tools.internal:443"])
-    assert policy.check("http://169.254.10.10:8080/mcp") is None
-    assert policy.check("https://tools.internal/mcp") is None
-    assert policy.check("https://other.internal/mcp") is not None
+def test_policy_servers_file_hosts_are_reachable_only_through_their_labels() -> None:
+    policy = HostPolicy.from_settings("*", ["169.254.10.10:8080", "tools.example:443"])
+    assert "server_label" in (policy.check("https://tools.example/mcp") or "")
+    assert policy.check("http://169.254.10.10:8080/mcp") is not None
+    assert policy.check("https://tools.example:8443/mcp") is None  # another port is another server
+    assert policy.check("https://other.example/mcp") is None
+    explicit = HostPolicy.from_settings("tools.example", ["tools.example:443"])
+    assert explicit.check("https://tools.example/mcp") is None  # named in --mcp-allowed-hosts too
 
 
 def test_policy_resolved_addresses() -> None:
@@ -452,14 +456,24 @@ async def test_pool_refuses_names_resolving_to_metadata(mcp_fixture_server: McpT
 
     port = mcp_fixture_server.base_url.rsplit(":", 1)[1]
     server = McpServerRef(label="alias", url=f"http://localhost:{port}/mcp")
+    async def to_loopback(host: str, port: int) -> Sequence[str]:
+        assert host == "mcp.test"
+        return ["127.0.0.1"]
+
     refusing = McpPool(policy=HostPolicy.from_settings("*"), resolver=to_metadata)
-    listing = McpPool(policy=HostPolicy.from_settings("localhost"), resolver=to_metadata)
-    real_dns = McpPool(policy=HostPolicy.from_settings("*"))
+    # A name nobody else can resolve: it works only because the connection goes to the address the check saw.
+    listing = McpPool(policy=HostPolicy.from_settings("mcp.test"), resolver=to_loopback)
+    real_dns = McpPool(policy=HostPolicy.from_settings("localhost"))
     try:
         refused = await refusing.call_tool(server, "add", {"a": 1, "b": 1}, timeout=5)
         assert refused.error is not None and refused.error["code"] == 403
+        assert "loopback" in refused.error["message"]  # localhost: refused on its name already
+        alias = McpServerRef(label="alias", url=f"http://mcp.test:{port}/mcp")
+        refused = await McpPool(policy=HostPolicy.from_settings("*"), resolver=to_metadata).call_tool(
+            alias, "add", {"a": 1, "b": 1}, timeout=5)
+        assert refused.error is not None and refused.error["code"] == 403
         assert "metadata" in refused.error["message"]
-        assert (await listing.call_tool(server, "add", {"a": 1, "b": 1}, timeout=5)).output == "2"
+        assert (await listing.call_tool(alias, "add", {"a": 1, "b": 1}, timeout=5)).output == "2"
         assert (await real_dns.call_tool(server, "add", {"a": 1, "b": 2}, timeout=5)).output == "3"
     finally:
         await asyncio.gather(refusing.aclose(), listing.aclose(), real_dns.aclose())
@@ -492,8 +506,8 @@ def test_servers_file_loads(servers_file: Path) -> None:
     assert servers["calc"].allowed_tools == {"read_only": True}
     assert servers["bare"].headers == {} and servers["bare"].allowed_tools is None
     assert [s.host_pattern for s in servers.values()] == ["docs.example.com:443", "10.0.0.5:9000", "[fd12::5]:7000"]
-    policy = HostPolicy.from_settings("", [s.host_pattern for s in servers.values()])
-    assert all(policy.check(s.url) is None for s in servers.values())
+    policy = HostPolicy.from_settings("*", [s.host_pattern for s in servers.values()])
+    assert all(policy.check(s.url) is not None for s in servers.values())  # only through their labels
     server_ref = docs.ref(authorization="tok")
     assert server_ref.request_headers() == {"X-Api-Key": "k-123", "Authorization": "Bearer tok"}
 

@@ -16,8 +16,17 @@ plus a wait on a per-request stream; many run concurrently on one session). The 
 when told to stop (idle, evicted, broken, shutdown) or when the transport's task group fails, and removes
 its session from the pool; the next request opens a fresh one.
 
-Sessions are keyed by (URL, hash of the credentials), kept LRU-ordered, bounded in number, and closed after
-``idle_timeout`` without use. Nothing holds a lock across I/O: the pool's dict is only touched between
+Sessions are keyed by (owner, URL, hash of the credentials): tenants never share a session of a stateful
+server. They are kept LRU-ordered, bounded in number (a hard bound: an idle session is evicted to make room, and
+a request finding every session busy waits for one rather than opening past the bound), and closed after
+``idle_timeout`` without use.
+
+Addresses: every new TCP connection a session's HTTP client opens (the first, a reconnect, a redirect) goes
+through ``PinnedBackend``: it resolves the host itself, checks every address against the ``HostPolicy`` and
+connects to exactly the address that passed, keeping the URL's host for ``Host``, TLS SNI and the certificate
+check. The HTTP clients ignore ``HTTP(S)_PROXY`` (``trust_env=False``), so the check is the connection's truth.
+
+Nothing holds a lock across I/O: the pool's dict is only touched between
 awaits. Every wait a request makes is bounded by its own deadline (``timeout``); connecting is bounded by
 ``connect_timeout``; so a slow or dead server costs only the requests that use it.
 
@@ -51,6 +60,7 @@ from typing import Any, Literal, TypeVar
 from urllib.parse import urlsplit
 
 import anyio
+import httpcore2
 import httpx2
 import structlog
 from mcp import Client
@@ -72,7 +82,8 @@ from pydantic import BaseModel, ValidationError
 
 from gateway.mcp.policy import HostPolicy, is_ip_literal, url_host_port
 
-__all__ = ["OUTPUT_TRUNCATED_NOTE", "McpCallResult", "McpPool", "McpServerError", "McpServerRef", "Resolver"]
+__all__ = ["OUTPUT_TRUNCATED_NOTE", "AddressRefused", "McpCallResult", "McpPool", "McpServerError", "McpServerRef",
+           "PinnedBackend", "Resolver"]
 
 log = structlog.get_logger("gateway.mcp")
 
@@ -111,6 +122,8 @@ class McpServerRef:
     url: str
     headers: Mapping[str, str] = field(default_factory=dict, repr=False, hash=False)
     authorization: str | None = field(default=None, repr=False)  # sent as "Authorization: Bearer …"
+    owner: str | None = None  # the caller's owner (gateway.server.auth.request_owner): sessions are per owner
+    configured: bool = False  # from --mcp-servers-file: the operator named this URL, the allowlist does not apply
 
     def request_headers(self) -> dict[str, str]:
         headers = dict(self.headers)
@@ -120,10 +133,11 @@ class McpServerRef:
             headers["Authorization"] = f"Bearer {self.authorization}"
         return headers
 
-    def pool_key(self) -> tuple[str, str]:
-        """(url, credentials hash): sessions are shared only by requests with the same credentials."""
+    def pool_key(self) -> tuple[str, str, str]:
+        """(owner, url, credentials hash): sessions are shared only by one owner's requests with the same
+        credentials."""
         material = json.dumps(sorted((k.lower(), v) for k, v in self.request_headers().items()))
-        return self.url, hashlib.sha256(material.encode()).hexdigest()
+        return self.owner or "", self.url, hashlib.sha256(material.encode()).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -250,10 +264,73 @@ async def _default_resolver(host: str, port: int) -> Sequence[str]:
     return [str(info[4][0]) for info in infos]
 
 
+class AddressRefused(httpcore2.ConnectError):
+    """A connection the host policy refused (the name resolved to a sensitive address); never attempted."""
+
+
+class PinnedBackend(httpcore2.AsyncNetworkBackend):
+    """httpcore's network backend for one session: each ``connect_tcp`` resolves the host, checks the addresses
+    against the policy and connects to exactly those (the TLS layer above still uses the URL's host for SNI and
+    the certificate). A configured server's own host:port is trusted (the operator named it); any other host
+    (a redirect) is judged like a request's URL."""
+
+    def __init__(self, pool: McpPool, url: str, configured: bool, inner: httpcore2.AsyncNetworkBackend | None = None
+                 ) -> None:
+        self._pool = pool
+        self._scheme, host, port = url_host_port(url)
+        self._trusted = (host, port) if configured else None
+        self._inner = inner or httpcore2.AnyIOBackend()
+        self.refused: str | None = None  # why the last connection was refused (shown to the caller as a 403)
+
+    async def connect_tcp(self, host: str, port: int, timeout: float | None = None, local_address: str | None = None,
+                          socket_options: Any = None) -> httpcore2.AsyncNetworkStream:
+        policy = self._pool._policy
+        name = host.strip("[]").lower().rstrip(".")
+        if is_ip_literal(name):
+            addresses: Sequence[str] = [name]
+        else:
+            with anyio.fail_after(timeout or self._pool._connect_timeout):
+                addresses = await self._pool._resolver(name, port)
+        addresses = list(dict.fromkeys(addresses))
+        if not addresses:
+            raise httpcore2.ConnectError(f"no address for {name!r}")
+        if policy is not None and self._trusted != (name, port):
+            url = f"{self._scheme}://{f'[{name}]' if ':' in name else name}:{port}/"
+            reason = policy.check(url) or policy.check_addresses(url, addresses)
+            if reason is not None:
+                self.refused = reason
+                raise AddressRefused(reason)
+        failure: Exception | None = None
+        for address in addresses:  # exactly the addresses that passed, in the resolver's order
+            try:
+                stream = await self._inner.connect_tcp(address.split("%", 1)[0], port, timeout=timeout,
+                                                       local_address=local_address, socket_options=socket_options)
+                self.refused = None
+                return stream
+            except (httpcore2.ConnectError, httpcore2.ConnectTimeout, OSError) as exc:
+                failure = exc
+        assert failure is not None
+        raise failure
+
+    async def connect_unix_socket(self, path: str, timeout: float | None = None, socket_options: Any = None
+                                  ) -> httpcore2.AsyncNetworkStream:
+        raise httpcore2.ConnectError("unix sockets are not MCP servers")
+
+    async def sleep(self, seconds: float) -> None:
+        await self._inner.sleep(seconds)
+
+
+def _pinned_client(backend: PinnedBackend, **kwargs: Any) -> httpx2.AsyncClient:
+    """An HTTP client whose every connection goes through ``backend`` and which ignores proxy variables."""
+    transport = httpx2.AsyncHTTPTransport(trust_env=False)
+    transport._pool._network_backend = backend  # type: ignore[attr-defined]  # read on every new connection
+    return httpx2.AsyncClient(transport=transport, trust_env=False, **kwargs)
+
+
 class _Session:
     """One pooled connection, owned by its worker task (see the module docstring)."""
 
-    def __init__(self, pool: McpPool, key: tuple[str, str], server: McpServerRef) -> None:
+    def __init__(self, pool: McpPool, key: tuple[str, str, str], server: McpServerRef) -> None:
         self.pool = pool
         self.key = key
         self.label = server.label
@@ -264,6 +341,7 @@ class _Session:
         self.reused = False
         self.transport: TransportKind | None = None
         self._headers = server.request_headers()
+        self.backend = PinnedBackend(pool, server.url, server.configured)
         self._stop = asyncio.Event()
         self._stop_reason = "shutdown"
         self._scope: anyio.CancelScope | None = None  # the worker's; cancelled to abandon a pending connect
@@ -289,7 +367,6 @@ class _Session:
         started = time.monotonic()
         failure: dict[str, Any] | None = None
         try:
-            await self._check_addresses()
             kinds = self.pool._known_transport(self.url) or _transport_order(self.url)
             for index, kind in enumerate(kinds):
                 sink: list[int] = []
@@ -298,12 +375,12 @@ class _Session:
                     await self._serve(kind, started)
                     return
                 except Exception as exc:
-                    failure = _classify(exc, sink)
+                    failure = self.refusal() or _classify(exc, sink)
                     fall_back = index + 1 < len(kinds) and any(s in (404, 405) for s in sink)
                     if self.ready.done() or not fall_back:
                         break
-        except Exception as exc:  # the address check
-            failure = _classify(exc, ())
+        except Exception as exc:
+            failure = self.refusal() or _classify(exc, ())
         finally:
             self.stopping = True
             self.pool._forget(self)
@@ -315,18 +392,9 @@ class _Session:
                 reason = self._stop_reason if failure is None else "broken"
                 log.info("mcp.session.closed", server_label=self.label, reason=reason, transport=self.transport)
 
-    async def _check_addresses(self) -> None:
-        policy = self.pool._policy
-        if policy is None:
-            return
-        _, host, port = url_host_port(self.url)
-        if is_ip_literal(host):
-            return  # HostPolicy.check already judged the literal address
-        with anyio.fail_after(self.pool._connect_timeout):
-            addresses = await self.pool._resolver(host, port)
-        reason = policy.check_addresses(self.url, addresses)
-        if reason is not None:
-            raise McpServerError(_http_error(403, reason))
+    def refusal(self) -> dict[str, Any] | None:
+        """The policy's refusal of this session's last connection, as the caller's error."""
+        return _http_error(403, self.backend.refused) if self.backend.refused else None
 
     async def _serve(self, kind: TransportKind, started: float) -> None:
         """Connect over ``kind``, publish the client, hold the contexts open until told to stop."""
@@ -363,14 +431,14 @@ class _Session:
                 timeout: httpx2.Timeout | None = None,
                 auth: httpx2.Auth | None = None,
             ) -> httpx2.AsyncClient:
-                return httpx2.AsyncClient(headers=headers, timeout=timeout, auth=auth, event_hooks=hooks)
+                return _pinned_client(self.backend, headers=headers, timeout=timeout, auth=auth, event_hooks=hooks)
 
             return sse_client(self.url, headers=self._headers, timeout=pool._connect_timeout,
                               sse_read_timeout=pool._read_timeout, httpx_client_factory=factory)
         # The session's one HTTP client, reused by every request on it. The transport leaves a client it was
         # given open, so the exit stack closes it, after the Client and transport above it have exited.
-        http = await stack.enter_async_context(httpx2.AsyncClient(
-            headers=self._headers, timeout=httpx2.Timeout(pool._connect_timeout, read=pool._read_timeout),
+        http = await stack.enter_async_context(_pinned_client(
+            self.backend, headers=self._headers, timeout=httpx2.Timeout(pool._connect_timeout, read=pool._read_timeout),
             event_hooks=hooks))
         return streamable_http_client(self.url, http_client=http, max_sse_event_size=_MAX_SSE_EVENT_BYTES)
 
@@ -379,8 +447,8 @@ class McpPool:
     """Pooled MCP client sessions; one per process, closed with ``aclose()`` at shutdown.
 
     ``list_tools`` raises ``McpServerError``; ``call_tool`` never raises for server trouble, it returns an
-    ``McpCallResult`` with ``error``. With a ``policy``, every URL is checked before connecting, and host
-    names are resolved first so a name pointing at a metadata or link-local address is refused.
+    ``McpCallResult`` with ``error``. With a ``policy``, every URL (but a servers-file server's) is checked
+    before connecting, and every connection goes to an address the policy accepts (``PinnedBackend``).
     """
 
     def __init__(
@@ -405,7 +473,7 @@ class McpPool:
         self._max_output_bytes = max_output_bytes
         self._resolver: Resolver = resolver or _default_resolver
         self._client_info = client_info or Implementation(name="responses-gateway", version="0.1.0")
-        self._sessions: OrderedDict[tuple[str, str], _Session] = OrderedDict()
+        self._sessions: OrderedDict[tuple[str, str, str], _Session] = OrderedDict()
         self._tasks: set[asyncio.Task[None]] = set()
         self._transports: OrderedDict[str, TransportKind] = OrderedDict()
         self._reaper: asyncio.Task[None] | None = None
@@ -493,7 +561,7 @@ class McpPool:
         """Run ``op`` on a pooled session within ``timeout``; McpServerError on any failure."""
         if self._closed:
             raise McpServerError(_http_error(503, "the gateway is shutting down"))
-        if self._policy is not None and (reason := self._policy.check(server.url)) is not None:
+        if self._policy is not None and not server.configured and (reason := self._policy.check(server.url)):
             raise McpServerError(_http_error(403, reason))
         try:
             async with asyncio.timeout(timeout):
@@ -508,7 +576,7 @@ class McpPool:
                     except McpServerError:
                         raise  # connecting failed; the worker classified it
                     except Exception as exc:
-                        error = _classify(exc, sink)
+                        error = session.refusal() or _classify(exc, sink)
                         if error["type"] == "http_error" and error["code"] != 504:
                             session.stop("broken")  # unusable (e.g. session lost, connection gone)
                         if attempt == 0 and session.reused and _retryable(exc, idempotent):
@@ -519,6 +587,8 @@ class McpPool:
                         session.last_used = time.monotonic()
                         session.reused = True
                         _STATUS_SINK.reset(token)
+                        if len(self._sessions) > self._max_sessions:
+                            self._evict_over_limit(keep=None)  # one request's many servers do not stay open
         except TimeoutError:
             raise McpServerError(_http_error(504, f"the MCP server did not answer within {timeout:g}s")) from None
         raise AssertionError("unreachable")  # pragma: no cover
@@ -537,13 +607,13 @@ class McpPool:
         self._sessions.move_to_end(key)
         return session
 
-    def _evict_over_limit(self, keep: _Session) -> None:
+    def _evict_over_limit(self, keep: _Session | None) -> None:
         for session in list(self._sessions.values()):  # least recently used first
             if len(self._sessions) <= self._max_sessions:
                 return
             if session.inflight == 0 and session is not keep:
                 session.stop("evicted")
-        # All busy: stay over the bound until some finish (the reaper trims idle ones).
+        # All busy: over the bound only while they run; each one trims the pool as it finishes (McpPool._run).
 
     def _forget(self, session: _Session) -> None:
         if self._sessions.get(session.key) is session:

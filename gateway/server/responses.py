@@ -24,7 +24,7 @@ from gateway.protocol.ids import new_id
 from gateway.server.conversations import APPENDED_STATUSES, conversation_history
 from gateway.server.record import RequestRecord
 from gateway.server.shutdown import Drain, ShuttingDown
-from gateway.server.tool_loop import McpHub, ToolLoop, approvals_in
+from gateway.server.tool_loop import McpHub, ToolLoop
 from gateway.store import BrokenChainError, ConversationTurn, HistoryTooLargeError, ResponseStore, StoredResponse
 from gateway.translate.chat import ChatToResponsesEvents, Event, build_chat_request
 from gateway.translate.restore import RequestState, build_request_state, restore_output, restore_response
@@ -157,7 +157,7 @@ class ResponsesHandler:
         if body.get("generate") is False:
             return await self._no_generation(state, record, persist)
         if ctx.mcp_tools:
-            return await self._mcp(body, state, record, persist, history, headers, extra)
+            return await self._mcp(body, state, record, persist, history, headers, extra, owner)
         plan = plan_for(ctx, self.settings.tool_choice_enforcement)
         if self.settings.upstream_api != "responses" or plan.active:
             enforcer = Enforcer(plan, self.upstream, self.settings, body, ctx, history, headers, record, extra)
@@ -246,14 +246,15 @@ class ResponsesHandler:
     # ------------------------------------------------------------------ gateway-executed (MCP) tools
 
     async def _mcp(self, body: dict[str, Any], state: RequestState, record: RequestRecord, persist: Persist | None,
-                   history: list[dict[str, Any]], headers: Mapping[str, str], extra: Mapping[str, str]) -> Outcome:
+                   history: list[dict[str, Any]], headers: Mapping[str, str], extra: Mapping[str, str],
+                   owner: str | None) -> Outcome:
         """A response whose tools the gateway runs: the tool loop (gateway.server.tool_loop) produces it."""
         if self.mcp is None:
             raise InvalidRequest("This gateway does not run mcp tools.", param="tools", code="mcp_not_enabled")
-        ctx, executor = self.mcp.bind(state.ctx, body)
+        ctx, executor = self.mcp.bind(state.ctx, body, owner)
         state = replace(state, ctx=ctx)
-        loop = ToolLoop(self, body, state, history, headers, extra, record, persist, executor)
-        approvals_in(loop.new_input, history)  # an answer to an unknown request is a 400 before anything runs
+        loop = ToolLoop(self, body, state, history, headers, extra, record, persist, executor, owner)
+        loop.check_approvals()  # an answer to a request the gateway did not issue is a 400 before anything runs
         state, shown = await loop.prepare()
         frames = loop.frames(state, shown)
         if record.stream:

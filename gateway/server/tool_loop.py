@@ -5,10 +5,16 @@ a non-streamed answer), and which the WebSocket transport and background runs co
 A response with MCP tools runs as:
 
 1. *Listing* (before any upstream request): for each MCP server, its tools are listed (``tools/list``, filtered
-   by ``allowed_tools``) — or reused from an ``mcp_list_tools`` item already in the conversation — and shown as
-   an ``mcp_list_tools`` item. A server that cannot be listed gets the item's ``error`` and is left out.
+   by ``allowed_tools``) — or reused from an ``mcp_list_tools`` item already in the conversation, except for a
+   servers-file server, whose listing is never taken from the client — and shown as an ``mcp_list_tools`` item.
+   A server that cannot be listed gets the item's ``error`` and is left out.
 2. *Approvals* carried by the input (``mcp_approval_response``): approved calls run now and are shown as
    ``mcp_call`` items with their ``approval_request_id``; denied ones are told to the model (rewrite.py).
+   An approval runs a call only if this gateway issued that request to this owner: its id is a MAC over the
+   owner, server, tool and arguments (gateway.translate.approvals), checked whether the request comes from the
+   stored chain or from the input (``store: false``; there it also has not expired); the tool must still be
+   listed and allowed; a call already run (in the chain or the input, or spent in this process) is not run
+   again. Anything else is a 400 naming ``input[N].approval_request_id`` before any server is contacted.
 3. *Rounds*: the upstream answers; calls of listed tools are gateway-owned (the translator shows ``mcp_call``
    items and keeps them open); at the round's end the gateway runs them (a few at a time, each with
    ``--mcp-call-timeout``), shows their results and sends the conversation plus those calls and outputs
@@ -21,6 +27,8 @@ A response with MCP tools runs as:
 from __future__ import annotations
 
 import asyncio
+import os
+import threading
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -31,7 +39,8 @@ import structlog
 
 from gateway.errors import InvalidRequest
 from gateway.server.shutdown import ShuttingDown
-from gateway.translate.mcp_items import McpCallOutcome, allowed_names, list_tools_item, mcp_call_item
+from gateway.translate.approvals import ApprovalSigner
+from gateway.translate.mcp_items import CEILING_APPROVAL, McpCallOutcome, list_tools_item, mcp_call_item, tool_allowed
 from gateway.translate.restore import RequestState
 from gateway.translate.tool_context import ResolvedToolContext, with_mcp_tools
 from gateway.translate.translator import FunctionSseTranslator
@@ -68,12 +77,17 @@ class McpExecutor(Protocol):
 
     async def call_tool(self, label: str, name: str, arguments: dict[str, Any]) -> McpCallOutcome: ...
 
+    def metric_label(self, label: str) -> str:
+        """``label`` as a metric label value: an operator-defined label, else ``other``."""
+        ...
+
 
 class McpHub(Protocol):
     """Binds one request's MCP tools to their servers (allowlist, servers file, credentials, pooled sessions):
     the context with servers-file defaults merged in, and the executor (raises InvalidRequest first)."""
 
-    def bind(self, ctx: ResolvedToolContext, body: Mapping[str, Any]) -> tuple[ResolvedToolContext, McpExecutor]:
+    def bind(self, ctx: ResolvedToolContext, body: Mapping[str, Any], owner: str | None = None
+             ) -> tuple[ResolvedToolContext, McpExecutor]:
         ...
 
 
@@ -94,8 +108,9 @@ class LazyMcpHub:
             self._hub = GatewayMcpHub(self.settings)
         return self._hub
 
-    def bind(self, ctx: ResolvedToolContext, body: Mapping[str, Any]) -> tuple[ResolvedToolContext, McpExecutor]:
-        return self._load().bind(ctx, body)  # type: ignore[no-any-return]
+    def bind(self, ctx: ResolvedToolContext, body: Mapping[str, Any], owner: str | None = None
+             ) -> tuple[ResolvedToolContext, McpExecutor]:
+        return self._load().bind(ctx, body, owner)  # type: ignore[no-any-return]
 
     async def aclose(self) -> None:
         if self._hub is not None:
@@ -111,11 +126,39 @@ def reused_listings(history: Sequence[Mapping[str, Any]]) -> dict[str, dict[str,
     return found
 
 
-def approvals_in(items: Sequence[Any], history: Sequence[Any]) -> list[tuple[dict[str, Any], dict[str, Any], int]]:
+_SIGNERS: dict[str, ApprovalSigner] = {}
+_SIGNERS_LOCK = threading.Lock()
+
+
+def approval_signer(reasoning_key: str | None) -> ApprovalSigner:
+    """The process's signer for ``--reasoning-key`` (a random per-process key when unset, as for sealing)."""
+    from gateway.translate.sealing import parse_keys
+
+    with _SIGNERS_LOCK:
+        signer = _SIGNERS.get(reasoning_key or "")
+        if signer is None:
+            keys = parse_keys(reasoning_key) if reasoning_key else [os.urandom(32)]
+            signer = _SIGNERS[reasoning_key or ""] = ApprovalSigner(keys, random_bytes=os.urandom)
+        return signer
+
+
+def server_identity(server: Mapping[str, Any] | None) -> str:
+    """What an approval request's MAC binds of its server: a servers-file label, or the request's URL."""
+    if server is None:
+        return ""
+    if CEILING_APPROVAL in server:
+        return f"configured:{server.get('server_label')}"
+    return f"url:{server.get('server_url')}"
+
+
+def approvals_in(items: Sequence[Any], history: Sequence[Any], verify: Any = None
+                 ) -> list[tuple[dict[str, Any], dict[str, Any], int]]:
     """``(approval response, the request it answers, input index)`` for each ``mcp_approval_response`` of the
-    new input; an answer to a request the conversation does not hold is the client's mistake (400)."""
-    requests = {i.get("id"): i for i in [*history, *items]
-                if isinstance(i, dict) and i.get("type") == "mcp_approval_request"}
+    new input whose call has not run yet; an answer to a request the conversation does not hold is the client's
+    mistake (400). ``verify(request, from_history)``: None when an *approved* request was issued by this gateway
+    to this caller, else why not (400)."""
+    stored = {i.get("id"): i for i in history if isinstance(i, dict) and i.get("type") == "mcp_approval_request"}
+    sent = {i.get("id"): i for i in items if isinstance(i, dict) and i.get("type") == "mcp_approval_request"}
     # A client resending the whole history (store: false) resends answers already acted on: the mcp_call that
     # carries the request's id is there too, and the call must not run again.
     done = {i.get("approval_request_id") for i in [*history, *items]
@@ -125,15 +168,20 @@ def approvals_in(items: Sequence[Any], history: Sequence[Any]) -> list[tuple[dic
         if not isinstance(item, dict) or item.get("type") != "mcp_approval_response":
             continue
         rid = item.get("approval_request_id")
+        param = f"input[{idx}].approval_request_id"
         if not isinstance(item.get("approve"), bool):
             raise InvalidRequest("An mcp_approval_response needs a boolean 'approve'.", param=f"input[{idx}].approve",
                                  code="invalid_value")
-        request = requests.get(rid)
+        request = stored.get(rid) or sent.get(rid)
         if request is None:
-            raise InvalidRequest(f"No mcp_approval_request with id '{rid}' in this conversation.",
-                                 param=f"input[{idx}].approval_request_id", code="invalid_value")
-        if rid not in done:
-            out.append((item, request, idx))
+            raise InvalidRequest(f"No mcp_approval_request with id '{rid}' in this conversation.", param=param,
+                                 code="invalid_value")
+        if rid in done:
+            continue
+        if item["approve"] and verify is not None and (why := verify(request, rid in stored)) is not None:
+            raise InvalidRequest(f"The mcp_approval_request '{rid}' cannot be approved: {why}.", param=param,
+                                 code="invalid_value")
+        out.append((item, request, idx))
     return out
 
 
@@ -153,7 +201,7 @@ class ToolLoop:
 
     def __init__(self, handler: Any, body: dict[str, Any], state: RequestState, history: list[dict[str, Any]],
                  headers: Mapping[str, str], extra: Mapping[str, str], record: RequestRecord,
-                 persist: Any, executor: McpExecutor) -> None:
+                 persist: Any, executor: McpExecutor, owner: str | None = None) -> None:
         self.handler = handler
         self.settings = handler.settings
         self.body = body
@@ -164,6 +212,9 @@ class ToolLoop:
         self.record = record
         self.persist = persist
         self.executor = executor
+        self.owner = owner
+        self.signer = approval_signer(self.settings.reasoning_key)
+        self.approved: list[tuple[dict[str, Any], dict[str, Any], int]] = []
         raw = body.get("input")
         self.new_input: list[Any] = ([{"type": "message", "role": "user", "content": raw}] if isinstance(raw, str)
                                      else list(raw) if isinstance(raw, list) else [])
@@ -173,6 +224,34 @@ class ToolLoop:
 
     # ------------------------------------------------------------------ before the first round
 
+    def check_approvals(self) -> None:
+        """400 for an answer to a request this gateway did not issue to this caller (before anything runs)."""
+        self.approved = approvals_in(self.new_input, self.history, self._verify)
+
+    def _verify(self, request: Mapping[str, Any], from_history: bool) -> str | None:
+        server = self.state.ctx.mcp_server(str(request.get("server_label")))
+        if server is None:
+            return f"its server '{request.get('server_label')}' is not among this request's mcp tools"
+        return self.signer.verify(request.get("id"), self.owner, server_identity(server), str(request.get("name")),
+                                  str(request.get("arguments") or ""), check_expiry=not from_history)
+
+    def _mint(self, label: str, name: str, arguments: str) -> str:
+        return self.signer.mint(self.owner, server_identity(self.state.ctx.mcp_server(label)), name, arguments)
+
+    def _claim_approvals(self, ctx: ResolvedToolContext) -> None:
+        """The approved tools must still be listed and allowed (400 otherwise); each approval runs once."""
+        claimed = []
+        for response, request, idx in self.approved:
+            if response.get("approve") is True:
+                label, name = str(request.get("server_label")), str(request.get("name"))
+                if ctx.find_mcp(label, name) is None:
+                    raise InvalidRequest(f"The approved tool '{name}' is not offered by the MCP server '{label}' "
+                                         "(not listed, or not in allowed_tools).",
+                                         param=f"input[{idx}].approval_request_id", code="invalid_value")
+            claimed.append((response, request, idx))
+        self.approved = [(r, q, i) for r, q, i in claimed
+                         if r.get("approve") is not True or self.signer.spend(str(q.get("id")))]
+
     async def prepare(self) -> tuple[RequestState, list[Shown]]:
         """List (or reuse) every server's tools; the state with them, and the listing items to show.
 
@@ -180,15 +259,16 @@ class ToolLoop:
         still a clean 400."""
         ctx = self.state.ctx
         reused = reused_listings([*self.history, *self.new_input])  # the chain, or the history the client sent
+        # A listing the client sent is its word: a servers-file server (the operator's credentials) is listed anew.
+        reused = {label: item for label, item in reused.items()
+                  if CEILING_APPROVAL not in (ctx.mcp_server(label) or {})}
         listed: dict[str, list[dict[str, Any]]] = {}
         shown: list[Shown] = []
         to_list = [str(t["server_label"]) for t in ctx.mcp_tools if str(t["server_label"]) not in reused]
         results = await asyncio.gather(*(self._list(label) for label in to_list))
         for label, (tools, error) in zip(to_list, results, strict=True):
             server = ctx.mcp_server(label) or {}
-            allowed = allowed_names(server)
-            if allowed is not None:
-                tools = [t for t in tools if t.get("name") in allowed]
+            tools = [t for t in tools if tool_allowed(server, t)]
             item = list_tools_item(label, tools, error)
             status = "failed" if error else "completed"
             shown.append(Shown({**item, "tools": [], "error": None}, [("response.mcp_list_tools.in_progress", {}),
@@ -199,9 +279,10 @@ class ToolLoop:
         for label, item in reused.items():
             if ctx.mcp_server(label) is None:
                 continue
-            allowed = allowed_names(ctx.mcp_server(label) or {})
-            listed[label] = [t for t in item.get("tools") or () if allowed is None or t.get("name") in allowed]
+            server = ctx.mcp_server(label) or {}
+            listed[label] = [t for t in item.get("tools") or () if isinstance(t, dict) and tool_allowed(server, t)]
         new_ctx = with_mcp_tools(ctx, listed)
+        self._claim_approvals(new_ctx)
         return replace(self.state, ctx=new_ctx), shown
 
     async def _list(self, label: str) -> tuple[list[dict[str, Any]], str | None]:
@@ -219,14 +300,14 @@ class ToolLoop:
     # ------------------------------------------------------------------ the rounds
 
     async def frames(self, state: RequestState, shown: list[Shown]) -> AsyncIterator[bytes]:
-        translator = FunctionSseTranslator(state)
+        translator = FunctionSseTranslator(state, mint_approval=self._mint)
         self.translator = translator
         out: list[bytes] = []
         for item in shown:
             out += translator.owned_item(item.opened, item.events, item.final)
         round_history: list[dict[str, Any]] = []
         # Approved calls from the input run first; their results are history for the first round.
-        for response, request, _ in approvals_in(self.new_input, self.history):
+        for response, request, _ in self.approved:
             if response.get("approve") is not True:
                 continue
             item = await self._run_approved(request, response)
@@ -249,7 +330,7 @@ class ToolLoop:
             calls = translator.owned_calls()
             if withhold:  # the tools were withheld and the model called one anyway: shown, not run
                 for call in calls:
-                    self.record.mcp_calls.append((call["server_label"], "not_run", None))
+                    self.record.mcp_calls.append((self._metric_label(call["server_label"]), "not_run", None))
                     yield b"".join(translator.complete_owned(call["key"], error=WITHHELD))
             else:
                 async for chunk in self._run_calls(translator, calls):
@@ -285,7 +366,7 @@ class ToolLoop:
         budget = None if self.max_calls is None else max(self.max_calls - self.executed, 0)
         runnable = calls if budget is None else calls[:budget]
         for call in calls[len(runnable):]:
-            self.record.mcp_calls.append((call["server_label"], "not_run", None))
+            self.record.mcp_calls.append((self._metric_label(call["server_label"]), "not_run", None))
             yield b"".join(translator.complete_owned(call["key"], error=NOT_RUN))
         self.executed += len(runnable)
         sem = asyncio.Semaphore(CALL_CONCURRENCY)
@@ -329,6 +410,11 @@ class ToolLoop:
         self.executed += 1
         return item
 
+    def _metric_label(self, label: str) -> str:
+        """Metric label values are the operator's (servers-file labels) or ``other``, never a client's string."""
+        metric = getattr(self.executor, "metric_label", None)
+        return metric(label) if metric is not None else "other"
+
     async def _call(self, label: str, name: str, arguments: str) -> McpCallOutcome:
         started = time.perf_counter()
         args = _parse_args(arguments)
@@ -346,7 +432,7 @@ class ToolLoop:
                                                "message": f"The MCP call failed ({type(exc).__name__})."})
         seconds = time.perf_counter() - started
         outcome = "failed" if result.error is not None else "completed"
-        self.record.mcp_calls.append((label, outcome, seconds))
+        self.record.mcp_calls.append((self._metric_label(label), outcome, seconds))
         log.info("mcp_call", request_id=self.record.request_id, server_label=label, tool=name, outcome=outcome,
                  error_type=(result.error or {}).get("type"), duration_ms=round(seconds * 1000, 1))
         return result

@@ -21,6 +21,7 @@ import orjson
 from gateway.protocol.ids import new_id
 
 __all__ = [
+    "CEILING_APPROVAL",
     "McpCallOutcome",
     "allowed_names",
     "approval_request_item",
@@ -31,6 +32,7 @@ __all__ = [
     "mcp_call_history",
     "mcp_call_item",
     "mcp_name",
+    "tool_allowed",
     "tool_function",
 ]
 
@@ -74,10 +76,36 @@ def allowed_names(tool: Mapping[str, Any]) -> frozenset[str] | None:
     return frozenset(str(n) for n in allowed if isinstance(n, str))
 
 
+# An mcp tool bound to a servers-file entry carries the file's require_approval under this key (gateway.mcp.hub):
+# the request may only add approvals to it. Internal: the bound tools are never echoed or stored.
+CEILING_APPROVAL = "_configured_require_approval"
+
+
+def tool_allowed(server: Mapping[str, Any], tool: Mapping[str, Any]) -> bool:
+    """Whether a listed tool passes the server's ``allowed_tools`` (names, and ``read_only``: the tool's
+    ``readOnlyHint`` annotation must be true)."""
+    names = allowed_names(server)
+    if names is not None and tool.get("name") not in names:
+        return False
+    allowed = server.get("allowed_tools")
+    if isinstance(allowed, dict) and allowed.get("read_only") is True:
+        annotations = tool.get("annotations")
+        return isinstance(annotations, dict) and annotations.get("readOnlyHint") is True
+    return True
+
+
 def approval_required(tool: Mapping[str, Any], name: str) -> bool:
-    """OpenAI's rule: ``always`` by default; the object form names tools either way (``never`` wins for a
-    tool listed in both, as the narrower intent; unlisted tools need approval)."""
-    policy = tool.get("require_approval", "always")
+    """OpenAI's rule (``always`` by default; see ``_approval_required``), and the servers file's ceiling."""
+    if CEILING_APPROVAL in tool and _approval_required(tool[CEILING_APPROVAL], name):
+        return True
+    return _approval_required(tool.get("require_approval", "always"), name)
+
+
+def _approval_required(policy: Any, name: str) -> bool:
+    """The object form names tools either way (``never`` wins for a tool listed in both, as the narrower intent;
+    unlisted tools need approval)."""
+    if policy is None:
+        policy = "always"
     if policy == "never":
         return False
     if isinstance(policy, dict):

@@ -16,7 +16,9 @@ sees (``_Item.kind``):
 * ``mcp``        a gateway-owned call of a listed MCP tool: the client sees an ``mcp_call`` item and
                  ``mcp_call_arguments`` events, never the function call; the item stays open after the
                  upstream's done until the I/O shell runs the call and hands the result to ``complete_owned``;
-* ``approval``   the same call when its server requires approval: an ``mcp_approval_request`` item.
+* ``approval``   the same call when its server requires approval: an ``mcp_approval_request`` item, announced
+                 (``added`` then ``done``) once its arguments are complete, because its id (``mint_approval``,
+                 gateway.translate.approvals) is a MAC over them.
 
 Rounds (the tool loop). When an upstream response ends with gateway-owned calls still to run, the
 translator does not emit a terminal event: ``round_done`` is set, the shell runs the calls
@@ -95,8 +97,9 @@ class _Item:
 
 
 class FunctionSseTranslator:
-    def __init__(self, state: RequestState) -> None:
+    def __init__(self, state: RequestState, mint_approval: Callable[[str, str, str], str] | None = None) -> None:
         self.state = state
+        self.mint_approval = mint_approval  # (server label, tool name, arguments) → the request's id
         self.acc = ResponseAccumulator()
         self.stats = TranslatorStats()
         self.finished = False
@@ -360,6 +363,11 @@ class FunctionSseTranslator:
         suffix = str(st.up.item.get("id") or "").partition("_")[2] or None
         if suffix and any(o.item_id and o.item_id.endswith("_" + suffix) for o in self._order):
             suffix = None  # an upstream that reuses an item id across rounds: the client's ids stay unique
+        if approval_required(server, info.name) and self.mint_approval is not None:
+            st.kind = "approval"  # announced when complete (_close_owned): its id binds the arguments
+            st.round = self.round
+            self.stats.mcp_calls += 1
+            return []
         if approval_required(server, info.name):
             st.kind = "approval"
             item = approval_request_item(label, info.name, "", item_id=f"mcpr_{suffix}" if suffix else None)
@@ -393,6 +401,16 @@ class FunctionSseTranslator:
                 self._emit("response.mcp_call.in_progress", dict(base))]
 
     def _close_owned(self, st: _Item, status: str) -> list[bytes]:
+        if st.kind == "approval" and st.opened is None:  # deferred: mint the id over the complete call
+            assert st.info is not None and self.mint_approval is not None
+            label, args = str(st.info.definition.get("server_label")), st.up.arguments
+            item = approval_request_item(label, st.info.name, "", item_id=self.mint_approval(label, st.info.name, args))
+            st.item_id = item["id"]
+            st.opened = item
+            self._assign(st)
+            st.final = {**item, "arguments": args}
+            return [self._emit("response.output_item.added", {"output_index": st.client_index, "item": dict(item)}),
+                    self._emit("response.output_item.done", {"output_index": st.client_index, "item": st.final})]
         assert st.opened is not None
         if st.kind == "approval":
             final = {**st.opened, "arguments": st.up.arguments}
@@ -678,6 +696,8 @@ class FunctionSseTranslator:
 
     def _close_item(self, st: _Item, status: str) -> list[bytes]:
         """``output_item.done`` with the authoritative item (the upstream's done item, or what we built)."""
+        if st.kind == "approval" and st.opened is None and st.final is None and status == "completed":
+            return self._close_owned(st, status)  # a deferred approval request, complete now
         if st.kind == "suppressed" or st.client_index < 0 or st.final is not None:
             return []
         if st.kind in ("mcp", "approval"):
