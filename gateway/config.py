@@ -90,8 +90,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("log_level", "--log-level", "GATEWAY_LOG_LEVEL", str, "Log level.",
            choices=("debug", "info", "warning", "error")),
     Option("mcp_allowed_hosts", "--mcp-allowed-hosts", "GATEWAY_MCP_ALLOWED_HOSTS", _csv,
-           "Comma-separated host or host:port patterns ('*' = any) that mcp tools' server_url may name; "
-           "empty: none."),
+           "Comma-separated host or host:port patterns ('*' = any public host) that mcp tools' server_url may "
+           "name; loopback, private, link-local, CGNAT, metadata addresses only if listed; empty: none."),
     Option("mcp_servers_file", "--mcp-servers-file", "GATEWAY_MCP_SERVERS_FILE", str,
            "JSON file of labelled MCP servers clients reference by server_label alone (credentials stay here)."),
     Option("max_tool_rounds", "--max-tool-rounds", "GATEWAY_MAX_TOOL_ROUNDS", int,
