@@ -163,7 +163,7 @@ def test_upstream_metrics_need_a_gateway_key_send_the_upstream_key_and_are_fetch
         assert fake.metrics_calls == 2
         assert all(s["headers"]["authorization"] == "Bearer up-key" for s in fake.seen)
         own = httpx.get(url + "/metrics").text
-        assert _count(own, "/upstream/metrics", "200") == 17 and _count(own, "/upstream/metrics", "401") == 2
+        assert _count(own, "/upstream/metrics", "200") == 17  # each scrape is a request, cached or not
 
 
 def test_upstream_metrics_take_a_concurrency_slot() -> None:

@@ -361,7 +361,8 @@ async def test_past_max_connections_a_request_waits_for_a_free_one_then_times_ou
 
 
 async def test_a_reader_that_falls_behind_pauses_the_socket_and_loses_nothing() -> None:
-    payload = bytes(range(256)) * 16384  # 4 MiB, past the high-water mark
+    payload = bytes(range(256)) * 131072  # 32 MiB: far more than the socket buffers and the transport's own
+    sent = [0]
 
     def make(srv: Server) -> Handler:
         async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -370,17 +371,20 @@ async def test_a_reader_that_falls_behind_pauses_the_socket_and_loses_nothing() 
             for i in range(0, len(payload), 65536):
                 writer.write(payload[i:i + 65536])
                 await writer.drain()
+                sent[0] = i + 65536
         return handle
 
     async with serving(make) as (_, url):
         t = _transport()
         r = await t.handle_async_request(_post(url))
-        got = bytearray()
-        async for chunk in r.stream:  # type: ignore[union-attr]
+        it = r.stream.__aiter__()  # type: ignore[union-attr]
+        got = bytearray(await it.__anext__())
+        await asyncio.sleep(0.5)  # a client slower than the upstream: the transport stops reading
+        assert sent[0] < len(payload) // 2, f"{sent[0]} bytes taken while nobody read them"
+        async for chunk in it:
             got += chunk
-            await asyncio.sleep(0.01)  # slower than the server
         await r.aclose()
-        assert bytes(got) == payload
+        assert len(got) == len(payload) and bytes(got) == payload
         await t.aclose()
 
 
