@@ -326,7 +326,8 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
 
     async def upstream_metrics(request: Request, record: RequestRecord) -> Response:
         upstream: UpstreamClient = services["upstream"]
-        # Cached (one upstream scrape per second at most); only the upstream key goes upstream.
+        # Unlike the probes above, a request like the others (wrap: behind the gateway keys, in a slot, counted):
+        # it sends the upstream key to vLLM. Cached: one upstream scrape per second at most.
         answer = await vllm_metrics.get(upstream.http, upstream.auth_headers({}))
         return Response(answer.body, status_code=answer.status, headers=no_store,
                         media_type=answer.content_type or CONTENT_TYPE_LATEST)
