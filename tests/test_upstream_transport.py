@@ -553,6 +553,13 @@ async def test_no_proxy_sends_the_upstream_requests_direct(monkeypatch: pytest.M
     assert upstream.requests[0].startswith(b"POST /v1/responses HTTP/1.1\r\n")
 
 
+def test_a_proxy_aiohttp_cannot_speak_to_fails_at_start_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    _clear_proxy_env(monkeypatch)
+    monkeypatch.setenv("ALL_PROXY", "socks5://127.0.0.1:1080")
+    with pytest.raises(ValueError, match="socks5"):
+        UpstreamClient(Settings(upstream_url="http://vllm.invalid:8000", store="none"))
+
+
 async def test_the_upstream_cookies_do_not_ride_along_on_later_requests() -> None:
     """One upstream client serves every tenant: a ``Set-Cookie`` from vLLM is kept by nobody."""
     def make(srv: Server) -> Handler:

@@ -236,6 +236,8 @@ class _Client(httpx.AsyncClient):
 
     def _init_proxy_transport(self, proxy: httpx.Proxy, *, limits: httpx.Limits,
                               **kwargs: Any) -> httpx.AsyncBaseTransport:
+        if proxy.url.scheme not in ("http", "https"):  # aiohttp would speak HTTP to it: fail at start-up instead
+            raise ValueError(f"Unsupported proxy for the upstream: {proxy.url.scheme}:// (only http:// and https://)")
         return UpstreamTransport(limits=limits, proxy=proxy, verify=kwargs.get("verify", True),
                                  cert=kwargs.get("cert"), trust_env=kwargs.get("trust_env", True))
 
