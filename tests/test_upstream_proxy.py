@@ -177,3 +177,16 @@ def test_upstream_metrics_take_a_concurrency_slot() -> None:
         assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limit_exceeded"
         busy.result()
         assert fake.metrics_calls == 0
+
+
+def test_expect_100_continue_through_the_proxy_each_request_gets_its_own_answer() -> None:
+    """The issue's case: a client's ``Expect: 100-continue`` went on to a uvicorn upstream, whose ``100`` was taken
+    for the answer; the next request on that pooled connection got the first one's answer."""
+    fake = RecordingVllm()
+    with vllm_and_gateway(fake) as url, httpx.Client(timeout=10) as http:
+        for n in range(4):
+            body = orjson.dumps({"input": f"request {n}"})
+            r = http.post(url + "/v1/embeddings", content=body,
+                          headers={"expect": "100-continue", "content-type": "application/json"})
+            assert r.status_code == 200 and r.json() == {"path": "/v1/embeddings", "body": body.decode()}
+    assert len(fake.seen) == 4 and all("expect" not in s["headers"] for s in fake.seen)
