@@ -102,8 +102,8 @@ class UpstreamTransport(AiohttpTransport):
     """httpx-aiohttp's transport on a session fit for a shared gateway: no cookie jar (one upstream client
     serves every gateway client, so no ``Set-Cookie`` may ride along on others' requests), no environment
     reading of its own (httpx mounts a transport per environment proxy; aiohttp's ``trust_env`` would also
-    read ``~/.netrc`` credentials), pooled connections bounded by ``limits`` and closed after
-    ``keepalive_expiry`` idle, and httpx errors of the right kind."""
+    read ``~/.netrc`` credentials), at most ``limits.max_connections`` connections (aiohttp has no separate bound
+    on idle ones), closed after ``keepalive_expiry`` idle, and httpx errors of the right kind."""
 
     def get_client(self) -> aiohttp.ClientSession:
         limit = self.limits.max_connections or 0  # 0: unbounded
