@@ -67,8 +67,10 @@ def test_readyz_turns_503_draining_once_shutdown_began_and_new_requests_are_refu
         assert r.status_code == 503 and r.json()["error"]["code"] == "gateway_shutting_down"
 
 
-def test_probes_and_metrics_need_no_key_when_gateway_auth_is_on() -> None:
+def test_probes_and_metrics_need_no_key_when_gateway_auth_is_on_but_vllms_metrics_do() -> None:
     with fake_vllm() as (up, _), gateway(up, api_keys=("k1",)) as (url, _app, _server):
-        for path in ("/healthz", "/readyz", "/metrics", "/upstream/metrics"):
+        for path in ("/healthz", "/readyz", "/metrics"):
             assert httpx.get(url + path).status_code == 200, path
-        assert "vllm:num_requests_running" in httpx.get(url + "/upstream/metrics").text
+        assert httpx.get(url + "/upstream/metrics").status_code == 401  # vLLM's, fetched with the upstream key
+        r = httpx.get(url + "/upstream/metrics", headers={"authorization": "Bearer k1"})
+        assert r.status_code == 200 and "vllm:num_requests_running" in r.text

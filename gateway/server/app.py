@@ -34,7 +34,7 @@ from gateway.server.auth import ApiKeyAuth, GatewayAuthMiddleware, request_owner
 from gateway.server.background import BackgroundPerKeyLimit, BackgroundRuns
 from gateway.server.conversations import ConversationsApi
 from gateway.server.guard import HostOriginGuard
-from gateway.server.health import Readiness
+from gateway.server.health import Readiness, UpstreamMetrics
 from gateway.server.http import (
     CLIENT_CLOSED_REQUEST,
     BodyTimeout,
@@ -56,7 +56,7 @@ from gateway.server.shutdown import Drain
 from gateway.server.tool_loop import LazyMcpHub, McpHub
 from gateway.server.websocket import ResponsesSocket
 from gateway.store import ResponseStore, open_store, run_sweeper
-from gateway.upstream.client import HOP_BY_HOP, UpstreamClient, map_transport_error
+from gateway.upstream.client import PROXY_DROP_RESPONSE, UpstreamClient
 
 log = structlog.get_logger("gateway.app")
 
@@ -136,6 +136,7 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
     drain = Drain()
     drain.on_abort.append(metrics.aborted_on_shutdown.inc)
     readiness = Readiness(draining=lambda: drain.draining)
+    vllm_metrics = UpstreamMetrics()
     auth = ApiKeyAuth(settings.all_api_keys(), owner_secret=settings.owner_secret)
     if settings.api_keys_file and not auth.enabled:
         # An empty or unreadable-looking key file would silently turn auth off: refuse to start instead.
@@ -262,6 +263,11 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
 
     async def proxy(request: Request, record: RequestRecord) -> Response:
         upstream: UpstreamClient = services["upstream"]
+        # Only vLLM's public inference endpoints (--proxy-paths): its admin and development ones (/sleep,
+        # /collective_rpc, ...) would run with the upstream key on any key holder's request.
+        path = upstream.proxy_path(request.scope.get("raw_path") or request.url.path.encode())
+        if path is None:
+            raise NotFound(f"Invalid URL ({request.method} {request.url.path}).", code="unknown_url")
         body = None
         if request.method not in ("GET", "HEAD", "OPTIONS"):
             limit = settings.max_body_bytes
@@ -269,8 +275,8 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
             if declared.isdigit() and int(declared) > limit:
                 raise PayloadTooLarge(f"The request body is {declared} bytes; the limit is {limit} bytes.")
             body = limited_stream(request.stream(), limit)
-        up = await upstream.proxy(request.method, request.url.path, request.url.query, request.headers, body)
-        headers = {k: v for k, v in up.response.headers.items() if k.lower() not in HOP_BY_HOP}
+        up = await upstream.proxy(request.method, path, request.url.query, request.headers, body)
+        headers = {k: v for k, v in up.response.headers.items() if k.lower() not in PROXY_DROP_RESPONSE}
         record.status = up.status_code
 
         async def relay() -> AsyncIterator[bytes]:
@@ -342,15 +348,13 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
     async def metrics_endpoint(request: Request) -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST, headers=no_store)
 
-    async def upstream_metrics(request: Request) -> Response:
+    async def upstream_metrics(request: Request, record: RequestRecord) -> Response:
         upstream: UpstreamClient = services["upstream"]
-        try:
-            # Only the upstream key goes upstream: scrapers' headers are not forwarded.
-            up = await upstream.http.get("/metrics", headers=upstream.auth_headers({}), timeout=10.0)
-        except httpx.HTTPError as exc:
-            return error_response(map_transport_error(exc))
-        return Response(up.content, status_code=up.status_code, headers=no_store,
-                        media_type=up.headers.get("content-type", CONTENT_TYPE_LATEST))
+        # Unlike the probes above, a request like the others (wrap: behind the gateway keys, in a slot, counted):
+        # it sends the upstream key to vLLM. Cached: one upstream scrape per second at most.
+        answer = await vllm_metrics.get(upstream.http, upstream.auth_headers({}))
+        return Response(answer.body, status_code=answer.status, headers=no_store,
+                        media_type=answer.content_type or CONTENT_TYPE_LATEST)
 
     socket = ResponsesSocket(lambda: services["responses"], settings=settings, observer=observer, metrics=metrics,
                              drain=drain, auth_enabled=auth.enabled, limiter=limiter)
@@ -362,7 +366,7 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
         Route("/healthz", healthz, methods=["GET", "HEAD"]),
         Route("/readyz", readyz, methods=["GET", "HEAD"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
-        Route("/upstream/metrics", upstream_metrics, methods=["GET"]),
+        Route("/upstream/metrics", wrap("/upstream/metrics", upstream_metrics), methods=["GET"]),
         Route("/v1/responses", wrap("/v1/responses", create_response), methods=["POST"]),
         WebSocketRoute("/v1/responses", websocket_responses),
         Route("/v1/responses/{response_id}", wrap("/v1/responses/{id}", get_response), methods=["GET"]),

@@ -29,7 +29,7 @@ __all__ = ["OPEN_PATHS", "ApiKeyAuth", "GatewayAuthMiddleware", "request_owner",
 
 # Probes and scrapers carry no credentials; everything else (all of /v1/* and the pass-through proxy)
 # needs a key when keys are configured.
-OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/upstream/metrics"})
+OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
 SCOPE_KEY = "gateway.authorized"
 OWNER_KEY = "gateway.owner"
 

@@ -1,10 +1,14 @@
 """HTTP client for the upstream (vLLM). Maps transport failures to the gateway's errors in one place.
 
-httpx is the client API; on the network it runs on ``gateway.upstream.h1`` (httptools' C parser on a bare
-asyncio protocol): httpcore's pure-Python h11 path and anyio streams, and aiohttp through httpx-aiohttp,
-cost several times more per request and per upstream frame (see that module). Connections are kept alive
-and reused: a stream that ended on its own terminal event is ``release()``d (the rest of its body read,
-bounded) rather than dropped.
+httpx is the client API; on the network it runs on httpx-aiohttp's transport (aiohttp's C parser, the
+transport the ``openai`` SDK ships), for model requests and the pass-through proxy alike. What the gateway
+relies on from it, each pinned by tests/test_upstream_transport.py against raw sockets: an interim ``1xx``
+answer never ends a request; a POST whose bytes were written is never sent again (aiohttp retries only
+idempotent methods on a reused connection, RFC 9112 §9.3.1); a response closed before its end drops its
+connection (so vLLM stops generating) and one read to its end returns it to the pool. ``HTTP_PROXY``,
+``HTTPS_PROXY`` and ``NO_PROXY`` are honoured as httpx reads them: httpx mounts one transport per proxy.
+Connections are kept alive and reused: a stream that ended on its own terminal event is ``release()``d (the
+rest of its body read, bounded) rather than dropped.
 """
 
 from __future__ import annotations
@@ -14,15 +18,15 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
 import httpx
 import orjson
+from httpx_aiohttp import AiohttpTransport
 
 from gateway.config import Settings
 from gateway.errors import GatewayError, UpstreamTimeout, UpstreamUnavailable, normalize_upstream_error
-from gateway.upstream.h1 import DIRECT_BODY as _BODY
-from gateway.upstream.h1 import H1Transport
 
-__all__ = ["UpstreamClient", "UpstreamResponse", "map_transport_error"]
+__all__ = ["PROXY_DROP_RESPONSE", "UpstreamClient", "UpstreamResponse", "UpstreamTransport", "map_transport_error"]
 
 # release(): how much of a finished stream's remaining body is read to keep its connection, and for how long.
 RELEASE_MAX_BYTES = 64 * 1024
@@ -36,6 +40,12 @@ HOP_BY_HOP = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
     "transfer-encoding", "upgrade", "host", "content-length",
 })
+# The pass-through proxy also keeps the client's credentials (the upstream's go instead, or the client's own
+# when the gateway has no upstream key: ``auth_headers``) and cookies from vLLM, vLLM's cookies from the
+# client, and ``Expect``: the gateway reads the whole body before forwarding it (uvicorn answered the
+# client's ``100-continue``).
+PROXY_DROP_REQUEST = HOP_BY_HOP | {"authorization", "cookie", "expect"}
+PROXY_DROP_RESPONSE = HOP_BY_HOP | {"set-cookie"}
 
 
 def map_transport_error(exc: httpx.HTTPError) -> GatewayError:
@@ -44,9 +54,71 @@ def map_transport_error(exc: httpx.HTTPError) -> GatewayError:
     return UpstreamUnavailable(f"The upstream could not be reached ({type(exc).__name__}).")
 
 
-def default_transport(settings: Settings, limits: httpx.Limits) -> httpx.AsyncBaseTransport:
-    """The transport to the real upstream (tests and the demo pass their own)."""
-    return H1Transport(limits=limits)
+def _mapped(exc: BaseException) -> BaseException:
+    """httpx's exception for an aiohttp failure. httpx-aiohttp's own table maps by the first match (a refused
+    connection and a server that hung up both become ``ConnectTimeout``) and lets some through unmapped (an
+    invalid answer is aiohttp's ``ClientResponseError``): the gateway's errors need the right kind."""
+    cause = exc.__cause__ if isinstance(exc, httpx.HTTPError) and exc.__cause__ is not None else exc
+    name = type(cause).__name__
+    if isinstance(cause, aiohttp.SocketTimeoutError):
+        return httpx.ReadTimeout(f"No upstream bytes in time ({name}).")
+    if isinstance(cause, aiohttp.ConnectionTimeoutError):  # connecting, or waiting for a free connection
+        return httpx.ConnectTimeout(f"No upstream connection in time ({name}).")
+    if isinstance(cause, TimeoutError):
+        return httpx.TimeoutException(f"The upstream timed out ({name}).")
+    if isinstance(cause, aiohttp.ClientProxyConnectionError | aiohttp.ClientHttpProxyError):
+        return httpx.ProxyError(f"The proxy to the upstream failed ({name}).")
+    if isinstance(cause, aiohttp.ClientConnectorError):
+        return httpx.ConnectError(f"The upstream refused or is unreachable ({name}).")
+    if isinstance(cause, aiohttp.ServerDisconnectedError | aiohttp.ClientPayloadError | aiohttp.ClientResponseError):
+        return httpx.RemoteProtocolError(f"The upstream closed the connection or sent invalid HTTP ({name}).")
+    if isinstance(cause, aiohttp.ClientError | OSError):
+        return httpx.ReadError(f"The upstream connection failed ({name}).")
+    return exc
+
+
+class _Body(httpx.AsyncByteStream):
+    """httpx-aiohttp's response stream with ``_mapped`` errors. ``aclose`` before the end of the body drops
+    the connection (aiohttp closes a connection whose payload is not at its end); after it, pools it."""
+
+    def __init__(self, inner: httpx.AsyncByteStream) -> None:
+        self._inner = inner
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in self._inner:
+                yield chunk
+        except (httpx.HTTPError, aiohttp.ClientError, OSError, TimeoutError) as exc:
+            raise _mapped(exc) from exc
+
+    async def aclose(self) -> None:
+        try:
+            await self._inner.aclose()
+        except (httpx.HTTPError, aiohttp.ClientError, OSError, TimeoutError) as exc:
+            raise _mapped(exc) from exc
+
+
+class UpstreamTransport(AiohttpTransport):
+    """httpx-aiohttp's transport on a session fit for a shared gateway: no cookie jar (one upstream client
+    serves every gateway client, so no ``Set-Cookie`` may ride along on others' requests), no environment
+    reading of its own (httpx mounts a transport per environment proxy; aiohttp's ``trust_env`` would also
+    read ``~/.netrc`` credentials), at most ``limits.max_connections`` connections (aiohttp has no separate bound
+    on idle ones), closed after ``keepalive_expiry`` idle, and httpx errors of the right kind."""
+
+    def get_client(self) -> aiohttp.ClientSession:
+        limit = self.limits.max_connections or 0  # 0: unbounded
+        expiry = self.limits.keepalive_expiry
+        connector = aiohttp.TCPConnector(limit=limit, ssl=self.ssl_context,
+                                         keepalive_timeout=expiry if expiry is not None else 15.0)
+        return aiohttp.ClientSession(connector=connector, cookie_jar=aiohttp.DummyCookieJar(), trust_env=False)
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        try:
+            response = await super().handle_async_request(request)
+        except (httpx.HTTPError, aiohttp.ClientError, OSError, TimeoutError) as exc:
+            raise _mapped(exc) from exc
+        response.stream = _Body(response.stream)  # type: ignore[arg-type]
+        return response
 
 
 @dataclass(slots=True)
@@ -74,20 +146,10 @@ class UpstreamResponse:
 
     def aiter_bytes(self) -> AsyncIterator[bytes]:
         """The (decoded) body as it arrives, one iterator per response: ``release`` goes on where the reader
-        stopped. On the upstream transport an identity-encoded body is read from the socket buffer directly,
-        each chunk being all that had arrived."""
-        body = self._body
-        if body is None:
-            response = self.response
-            stream = response.extensions.get(_BODY)
-            if isinstance(stream, httpx.AsyncByteStream) and "content-encoding" not in response.headers \
-                    and not response.is_stream_consumed:
-                response.is_stream_consumed = True
-                body = stream.__aiter__()
-            else:
-                body = response.aiter_bytes()
-            self._body = body
-        return body
+        stopped."""
+        if self._body is None:
+            self._body = self.response.aiter_bytes()
+        return self._body
 
     async def release(self, max_bytes: int = RELEASE_MAX_BYTES, timeout: float = RELEASE_TIMEOUT) -> bool:
         """End a complete response, keeping its connection: read the rest of the body (at most ``max_bytes``,
@@ -150,6 +212,11 @@ class _NoCookies(httpx.Cookies):
 
 
 class _Client(httpx.AsyncClient):
+    """httpx's client on ``UpstreamTransport``, the way httpx-aiohttp's ``HttpxAiohttpClient`` builds it:
+    with no transport given, httpx mounts one ``UpstreamTransport`` per proxy it reads from the environment
+    (``HTTP_PROXY``/``HTTPS_PROXY``/``ALL_PROXY``, ``NO_PROXY`` excepted), which a transport passed in would
+    have turned off."""
+
     _NO_COOKIES = _NoCookies()
 
     @property  # type: ignore[override]
@@ -159,6 +226,20 @@ class _Client(httpx.AsyncClient):
     @cookies.setter
     def cookies(self, cookies: Any) -> None:
         pass
+
+    def _init_transport(self, *, transport: httpx.AsyncBaseTransport | None = None, limits: httpx.Limits,
+                        **kwargs: Any) -> httpx.AsyncBaseTransport:
+        if transport is not None:
+            return transport
+        return UpstreamTransport(limits=limits, verify=kwargs.get("verify", True), cert=kwargs.get("cert"),
+                                 trust_env=kwargs.get("trust_env", True))
+
+    def _init_proxy_transport(self, proxy: httpx.Proxy, *, limits: httpx.Limits,
+                              **kwargs: Any) -> httpx.AsyncBaseTransport:
+        if proxy.url.scheme not in ("http", "https"):  # aiohttp would speak HTTP to it: fail at start-up instead
+            raise ValueError(f"Unsupported proxy for the upstream: {proxy.url.scheme}:// (only http:// and https://)")
+        return UpstreamTransport(limits=limits, proxy=proxy, verify=kwargs.get("verify", True),
+                                 cert=kwargs.get("cert"), trust_env=kwargs.get("trust_env", True))
 
 
 class UpstreamClient:
@@ -170,10 +251,12 @@ class UpstreamClient:
         self._stream_timeout = httpx.Timeout(settings.stream_idle_timeout, connect=settings.connect_timeout)
         self._timeouts = {True: self._stream_timeout.as_dict(), False: self._timeout.as_dict()}
         self._urls: dict[str, httpx.URL] = {}
-        self._transport = transport if transport is not None else default_transport(settings, limits)
-        self.http = _Client(base_url=settings.upstream_url.rstrip("/"), transport=self._transport,
-                            limits=limits, timeout=self._timeout)
+        # A transport given (tests, the demo) replaces the network, environment proxies included.
+        self.http = _Client(base_url=settings.upstream_url.rstrip("/"), transport=transport, limits=limits,
+                            timeout=self._timeout, trust_env=True)
+        self._transport = self.http._transport  # httpx-private, as _route's lookup
         self._routes: dict[str, tuple[httpx.URL, httpx.AsyncBaseTransport]] = {}
+        self._proxy_paths = frozenset(settings.proxy_paths)
 
     async def aclose(self) -> None:
         await self.http.aclose()
@@ -186,13 +269,12 @@ class UpstreamClient:
         return url
 
     def _route(self, path: str) -> tuple[httpx.URL, httpx.AsyncBaseTransport]:
-        """A model path's URL and transport: a proxy the environment configures for it (httpx's mounts,
-        ``HTTPS_PROXY`` and friends) is kept; otherwise the upstream transport."""
+        """A model path's URL and transport: the one httpx mounted for a proxy the environment configures for it
+        (``HTTP_PROXY`` and friends, ``NO_PROXY`` excepted), otherwise the upstream transport."""
         route = self._routes.get(path)
         if route is None:
             url = self._url(path)
-            mounted = self.http._transport_for_url(url)  # httpx-private, once per path
-            route = self._routes[path] = (url, self._transport if mounted is self._transport else mounted)
+            route = self._routes[path] = (url, self.http._transport_for_url(url))  # httpx-private, once per path
         return route
 
     def auth_headers(self, client_headers: Mapping[str, str]) -> dict[str, str]:
@@ -222,7 +304,8 @@ class UpstreamClient:
         except httpx.HTTPError as exc:
             raise map_transport_error(exc) from exc
         # The request (its serialized body: the whole conversation, for a long agent session hundreds of KB) is
-        # not attached to the response, which lives as long as the stream: nothing reads it back.
+        # detached from the response, which lives as long as the stream: nothing reads it back (httpx-private).
+        response._request = None
         return UpstreamResponse(response)
 
     async def post_json(self, path: str, body: Mapping[str, Any], client_headers: Mapping[str, str]
@@ -244,13 +327,23 @@ class UpstreamClient:
         finally:
             await up.aclose()
 
+    def proxy_path(self, raw_path: bytes) -> str | None:
+        """The allow-listed upstream path a pass-through request names, or None. The raw path (before any
+        percent-decoding) must equal an entry of ``--proxy-paths``: a dot segment, a doubled or trailing slash
+        or an encoded character is no match, so what goes upstream is exactly an entry of the list."""
+        try:
+            path = raw_path.decode("ascii")
+        except UnicodeDecodeError:
+            return None
+        return path if path in self._proxy_paths else None
+
     async def proxy(self, method: str, path: str, query: str, headers: Mapping[str, str],
                     body: AsyncIterator[bytes] | bytes | None) -> UpstreamResponse:
-        """Forward any other request unchanged. The answer streams back; the client's body is read first
-        (it is bounded by the caller's limit, which raises past it), then sent whole."""
+        """Forward a request to an allow-listed path (``proxy_path``). The answer streams back; the client's
+        body is read first (it is bounded by the caller's limit, which raises past it), then sent whole."""
         if body is not None and not isinstance(body, bytes):
             body = b"".join([chunk async for chunk in body])
-        fwd = {k: v for k, v in headers.items() if k.lower() not in HOP_BY_HOP and k.lower() != "authorization"}
+        fwd = {k: v for k, v in headers.items() if k.lower() not in PROXY_DROP_REQUEST}
         fwd.update(self.auth_headers(headers))
         url = httpx.URL(path, query=query.encode() if query else b"")
         request = self.http.build_request(method, url, headers=fwd, content=body)
