@@ -58,7 +58,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "api_keys", "--api-keys", "GATEWAY_API_KEYS", _csv,
         "Comma-separated keys clients must present (Bearer) on /v1/* and every proxied path; "
-        "/healthz, /readyz, /metrics, /upstream/metrics stay open. Empty: no gateway auth.", secret=True,
+        "/healthz, /readyz and /metrics stay open. Empty: no gateway auth.", secret=True,
     ),
     Option("api_keys_file", "--api-keys-file", "GATEWAY_API_KEYS_FILE", str,
            "File with one key per line (# comments); adds to GATEWAY_API_KEYS."),
