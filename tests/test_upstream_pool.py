@@ -154,7 +154,7 @@ def test_a_non_streamed_request_whose_client_leaves_closes_its_upstream_request(
         host, port = url.removeprefix("http://").split(":")
         body = orjson.dumps({"model": "tiny", "input": "hi"})
         with socket.create_connection((host, int(port))) as client:
-            client.sendall(b"POST /v1/responses HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            client.sendall(b"POST /v1/responses HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
                            b"content-length: %d\r\n\r\n%b" % (len(body), body))
             assert upstream.got_request.wait(5), "the request never reached the upstream"
             time.sleep(0.2)

@@ -102,7 +102,7 @@ _UPSTREAM_KINDS = frozenset({"idle_timeout", "stream_broken", *_UPSTREAM_CODES,
                              *(f"http_{status}" for status in range(100, 600))})
 _TOOL_KINDS = frozenset({"custom", "function"})
 _ENFORCEMENT_OUTCOMES = frozenset({"pinned", "picked", "regenerated", "violated", "valid", "unchecked",
-                                   "constrained", "step_failed"})
+                                   "constrained", "step_failed", "fallback_validate"})
 _REJECTIONS = frozenset({"unauthorized", "concurrency", "body_too_large", "body_timeout", "draining", "host",
                          "origin", "websocket_connections", "background_per_key"})
 
