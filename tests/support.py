@@ -110,3 +110,31 @@ def npm_packages(folder: Path, what: str, *, expect: Path | None = None) -> str:
 
             pytest.fail(f"npm ci in {folder} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return node
+
+
+@contextlib.contextmanager
+def fresh_pg_database(dsn: str) -> Iterator[str]:
+    """A new, empty database on ``dsn``'s server for one test, dropped afterwards; yields its DSN.
+
+    Gateway *processes* keep their tables in the ``public`` schema of the database they are given, so tests that
+    start them on the shared test database would meet whatever schema version another checkout migrated it to.
+    """
+    from urllib.parse import urlsplit, urlunsplit
+
+    import asyncpg
+
+    name = "gw_" + __import__("uuid").uuid4().hex[:12]
+
+    async def run(sql: str) -> None:
+        conn = await asyncpg.connect(dsn, timeout=5)
+        try:
+            await conn.execute(sql)
+        finally:
+            await conn.close()
+
+    asyncio.run(run(f'CREATE DATABASE "{name}"'))
+    parts = urlsplit(dsn)
+    try:
+        yield urlunsplit(parts._replace(path="/" + name))
+    finally:
+        asyncio.run(run(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))

@@ -34,7 +34,7 @@ from gateway.server.record import RequestRecord
 from gateway.server.responses import Streamed
 from gateway.store import PostgresResponseStore, ResponseStore, SqliteResponseStore, StoredResponse
 from tests.invariants import check_stream
-from tests.support import ROOT, free_port, running_gateway, serve_in_thread, sse_events
+from tests.support import ROOT, free_port, fresh_pg_database, running_gateway, serve_in_thread, sse_events
 from tests.vllm_frames import VllmStream
 
 PG_DSN = os.environ.get("GATEWAY_TEST_POSTGRES_DSN", "postgresql://postgres@127.0.0.1:5432/test")
@@ -547,9 +547,11 @@ def _stop(*procs: subprocess.Popen[bytes]) -> None:
 
 @pytest.fixture
 def pg_store_url() -> Iterator[str]:
-    """The test PostgreSQL as a gateway store URL (the gateway's tables live in its public schema)."""
+    """A fresh database on the test PostgreSQL as a gateway store URL (the gateway's tables live in its public
+    schema, so each test gets its own database)."""
     _require_postgres()
-    yield PG_DSN
+    with fresh_pg_database(PG_DSN) as dsn:
+        yield dsn
 
 
 @pytest.mark.postgres
@@ -645,7 +647,13 @@ def test_sigkill_then_restart_marks_the_response_failed(backend: str, paced: Any
     fake.hold_after = 4
     if backend == "postgres":
         _require_postgres()
-    store = f"sqlite:///{tmp_path / 'kill.db'}" if backend == "sqlite" else PG_DSN
+        with fresh_pg_database(PG_DSN) as dsn:
+            _sigkill_then_restart(dsn, upstream, fake, tmp_path)
+    else:
+        _sigkill_then_restart(f"sqlite:///{tmp_path / 'kill.db'}", upstream, fake, tmp_path)
+
+
+def _sigkill_then_restart(store: str, upstream: str, fake: Paced, tmp_path: Path) -> None:
     port = free_port()
     proc = _process(upstream, store, port, tmp_path / "a.log")
     url = f"http://127.0.0.1:{port}"

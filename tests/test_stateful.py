@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ import pytest
 from gateway.store import SqliteResponseStore
 from tests.fake_upstream import serving
 from tests.invariants import check_stream
-from tests.support import ROOT, free_port, replay, running_gateway, sse_events
+from tests.support import ROOT, free_port, fresh_pg_database, replay, running_gateway, sse_events
 
 PATCH = {"type": "custom", "name": "apply_patch", "description": "Apply a patch."}
 PG_DSN = os.environ.get("GATEWAY_TEST_POSTGRES_DSN", "postgresql://postgres@127.0.0.1:5432/test")
@@ -181,25 +180,14 @@ def _gateway_process(upstream: str, store: str, port: int) -> subprocess.Popen[b
 
 @pytest.fixture
 def pg_dsn() -> Iterator[str]:
-    """A fresh database schema on the test PostgreSQL, via search_path; fails (not skips) when it is down."""
-    schema = "gw_" + uuid.uuid4().hex[:10]
-
-    async def run(sql: str) -> None:
-        conn = await asyncpg.connect(PG_DSN, timeout=5)
-        try:
-            await conn.execute(sql)
-        finally:
-            await conn.close()
-
+    """A fresh database on the test PostgreSQL; fails (not skips) when it is down."""
     try:
-        asyncio.run(run(f'CREATE SCHEMA "{schema}"'))
-    except Exception as exc:
+        with fresh_pg_database(PG_DSN) as dsn:
+            yield dsn
+    except (OSError, asyncpg.PostgresError) as exc:
         if os.environ.get("GATEWAY_TEST_SKIP_POSTGRES") == "1":
             pytest.skip(f"PostgreSQL unavailable: {exc!r}")
         pytest.fail(f"PostgreSQL at {PG_DSN} did not answer ({exc!r}); .ci/run starts one.", pytrace=False)
-    sep = "&" if "?" in PG_DSN else "?"
-    yield f"{PG_DSN}{sep}options=-csearch_path%3D{schema}"
-    asyncio.run(run(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
 
 
 @pytest.mark.postgres
