@@ -22,7 +22,7 @@ from typing import Any
 
 import orjson
 
-from gateway.protocol.ids import new_id
+from gateway.runtime import new_id
 from gateway.translate.chat import add_usage, chat_usage
 from gateway.translate.tool_context import ToolInfo
 

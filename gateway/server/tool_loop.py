@@ -38,6 +38,7 @@ import orjson
 import structlog
 
 from gateway.errors import InvalidRequest
+from gateway.runtime import new_id
 from gateway.server.shutdown import ShuttingDown
 from gateway.translate.approvals import ApprovalSigner
 from gateway.translate.mcp_items import CEILING_APPROVAL, McpCallOutcome, list_tools_item, mcp_call_item, tool_allowed
@@ -138,7 +139,7 @@ def approval_signer(reasoning_key: str | None) -> ApprovalSigner:
         signer = _SIGNERS.get(reasoning_key or "")
         if signer is None:
             keys = parse_keys(reasoning_key) if reasoning_key else [os.urandom(32)]
-            signer = _SIGNERS[reasoning_key or ""] = ApprovalSigner(keys, random_bytes=os.urandom)
+            signer = _SIGNERS[reasoning_key or ""] = ApprovalSigner(keys, random_bytes=os.urandom, clock=time.time)
         return signer
 
 
@@ -269,7 +270,7 @@ class ToolLoop:
         for label, (tools, error) in zip(to_list, results, strict=True):
             server = ctx.mcp_server(label) or {}
             tools = [t for t in tools if tool_allowed(server, t)]
-            item = list_tools_item(label, tools, error)
+            item = list_tools_item(label, tools, error, item_id=new_id("mcpl"))
             status = "failed" if error else "completed"
             shown.append(Shown({**item, "tools": [], "error": None}, [("response.mcp_list_tools.in_progress", {}),
                                                                       (f"response.mcp_list_tools.{status}", {})],
@@ -300,7 +301,7 @@ class ToolLoop:
     # ------------------------------------------------------------------ the rounds
 
     async def frames(self, state: RequestState, shown: list[Shown]) -> AsyncIterator[bytes]:
-        translator = FunctionSseTranslator(state, mint_approval=self._mint)
+        translator = FunctionSseTranslator(state, mint_approval=self._mint, ids=new_id)
         self.translator = translator
         out: list[bytes] = []
         for item in shown:
@@ -404,7 +405,8 @@ class ToolLoop:
         label, name, arguments = str(request.get("server_label")), str(request.get("name")), str(
             request.get("arguments") or "{}")
         result = await self._call(label, name, arguments)
-        item = mcp_call_item(label, name, arguments, approval_request_id=str(request.get("id")),
+        item = mcp_call_item(label, name, arguments, item_id=new_id("mcp"),
+                             approval_request_id=str(request.get("id")),
                              status="failed" if result.error else "completed")
         item.update(output=result.output, error=result.error)
         self.executed += 1

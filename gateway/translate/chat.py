@@ -15,7 +15,6 @@ Two halves:
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,7 +22,7 @@ from typing import Any
 import orjson
 
 from gateway.errors import InvalidRequest
-from gateway.protocol.ids import new_id
+from gateway.protocol.ids import Clock, IdFactory
 from gateway.translate.rewrite import upstream_input_items, upstream_tools
 from gateway.translate.tool_context import ResolvedToolContext
 from gateway.translate.usage import add_usage
@@ -281,9 +280,10 @@ class ChatToResponsesEvents:
     """
 
     def __init__(self, model: str | None = None, response_id: str | None = None,
-                 max_unnamed_bytes: int = 256 * 1024) -> None:
+                 max_unnamed_bytes: int = 256 * 1024, *, ids: IdFactory, clock: Clock) -> None:
+        self._ids = ids  # fresh ids for the items this converter opens
         self.response: dict[str, Any] = {
-            "id": response_id or new_id("resp"), "object": "response", "created_at": int(time.time()),
+            "id": response_id or ids("resp"), "object": "response", "created_at": int(clock()),
             "model": model, "status": "in_progress", "output": [], "usage": None, "error": None,
             "incomplete_details": None,
         }
@@ -395,7 +395,7 @@ class ChatToResponsesEvents:
             reasoning = delta.get("reasoning_content")
         if isinstance(reasoning, str) and reasoning:
             if self._open is None or self._open.kind != "reasoning":
-                out += self._open_item("reasoning", {"id": new_id("rs"), "type": "reasoning", "summary": [],
+                out += self._open_item("reasoning", {"id": self._ids("rs"), "type": "reasoning", "summary": [],
                                                      "content": [], "status": "in_progress"})
             assert self._open is not None
             self._open.text.append(reasoning)
@@ -405,7 +405,7 @@ class ChatToResponsesEvents:
         content = delta.get("content")
         if isinstance(content, str) and content:
             if self._open is None or self._open.kind != "message":
-                out += self._open_item("message", {"id": new_id("msg"), "type": "message", "role": "assistant",
+                out += self._open_item("message", {"id": self._ids("msg"), "type": "message", "role": "assistant",
                                                    "content": [], "status": "in_progress"})
             assert self._open is not None
             self._open.text.append(content)
@@ -446,8 +446,8 @@ class ChatToResponsesEvents:
 
     def _open_call(self, tc: Mapping[str, Any], idx: Any) -> list[Event]:
         out = self._close()
-        call_id = tc.get("id") if isinstance(tc.get("id"), str) else new_id("call")
-        item = {"arguments": "", "call_id": call_id, "name": None, "type": "function_call", "id": new_id("fc"),
+        call_id = tc.get("id") if isinstance(tc.get("id"), str) else self._ids("call")
+        item = {"arguments": "", "call_id": call_id, "name": None, "type": "function_call", "id": self._ids("fc"),
                 "status": "in_progress"}
         self._open = _Open("call", len(self.output), item, chat_index=idx)
         self.output.append(item)
