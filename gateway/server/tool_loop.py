@@ -30,7 +30,7 @@ import asyncio
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -111,7 +111,7 @@ class LazyMcpHub:
 
     def bind(self, ctx: ResolvedToolContext, body: Mapping[str, Any], owner: str | None = None
              ) -> tuple[ResolvedToolContext, McpExecutor]:
-        return self._load().bind(ctx, body, owner)  # type: ignore[no-any-return]
+        return self._load().bind(ctx, body, owner)
 
     async def aclose(self) -> None:
         if self._hub is not None:
@@ -300,7 +300,7 @@ class ToolLoop:
 
     # ------------------------------------------------------------------ the rounds
 
-    async def frames(self, state: RequestState, shown: list[Shown]) -> AsyncIterator[bytes]:
+    async def frames(self, state: RequestState, shown: list[Shown]) -> AsyncGenerator[bytes, None]:
         translator = FunctionSseTranslator(state, mint_approval=self._mint, ids=new_id)
         self.translator = translator
         out: list[bytes] = []
@@ -311,12 +311,12 @@ class ToolLoop:
         for response, request, _ in self.approved:
             if response.get("approve") is not True:
                 continue
-            item = await self._run_approved(request, response)
-            out += translator.owned_item(mcp_call_item(item["server_label"], item["name"], "",
-                                                       item_id=item["id"],
-                                                       approval_request_id=item["approval_request_id"]),
-                                         _call_events(item), item)
-            round_history.append(item)
+            ran = await self._run_approved(request, response)
+            out += translator.owned_item(mcp_call_item(ran["server_label"], ran["name"], "",
+                                                       item_id=ran["id"],
+                                                       approval_request_id=ran["approval_request_id"]),
+                                         _call_events(ran), ran)
+            round_history.append(ran)
         if not out:
             out += translator.start()
         yield b"".join(out)
@@ -378,7 +378,7 @@ class ToolLoop:
 
         tasks = [asyncio.ensure_future(one(c)) for c in runnable]
 
-        async def results() -> AsyncIterator[tuple[dict[str, Any], McpCallOutcome]]:
+        async def results() -> AsyncGenerator[tuple[dict[str, Any], McpCallOutcome], None]:
             for next_done in asyncio.as_completed(tasks):
                 yield await next_done
 

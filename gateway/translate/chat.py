@@ -118,7 +118,8 @@ def _reasoning_text(item: Mapping[str, Any], param: str) -> str:
     return text or "".join(str(s.get("text", "")) for s in summary or () if isinstance(s, dict))
 
 
-def chat_messages(body: Mapping[str, Any], ctx: ResolvedToolContext, history: Sequence[Any] = ()) -> list[dict]:
+def chat_messages(body: Mapping[str, Any], ctx: ResolvedToolContext,
+                  history: Sequence[Any] = ()) -> list[dict[str, Any]]:
     """The conversation as chat messages: instructions, history, then the new input."""
     messages: list[dict[str, Any]] = []
     if isinstance(body.get("instructions"), str) and body["instructions"]:
@@ -247,8 +248,8 @@ def chat_usage(u: Any) -> dict[str, Any] | None:
     """A chat completion's usage in the Responses shape (numbers only in the details)."""
     if not isinstance(u, dict):
         return None
-    details = u.get("completion_tokens_details") if isinstance(u.get("completion_tokens_details"), dict) else {}
-    cached = u.get("prompt_tokens_details") if isinstance(u.get("prompt_tokens_details"), dict) else {}
+    details = raw if isinstance(raw := u.get("completion_tokens_details"), dict) else {}
+    cached = raw if isinstance(raw := u.get("prompt_tokens_details"), dict) else {}
     inp, out = int(u.get("prompt_tokens") or 0), int(u.get("completion_tokens") or 0)
     return {
         "input_tokens": inp,
@@ -382,7 +383,7 @@ class ChatToResponsesEvents:
         for choice in chunk.get("choices") or ():
             if not isinstance(choice, dict) or choice.get("index", 0) != 0:
                 continue  # n > 1 has no Responses form; the first choice is the answer
-            delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else {}
+            delta = raw if isinstance(raw := choice.get("delta"), dict) else {}
             out += self._delta(delta)
             if choice.get("finish_reason"):
                 self.finish_reason = str(choice["finish_reason"])
@@ -420,7 +421,7 @@ class ChatToResponsesEvents:
     def _tool_call(self, tc: Mapping[str, Any]) -> list[Event]:
         out: list[Event] = []
         idx = tc.get("index", 0)
-        fn = tc.get("function") if isinstance(tc.get("function"), dict) else {}
+        fn = raw if isinstance(raw := tc.get("function"), dict) else {}
         op = self._open
         if op is None or op.kind != "call" or op.chat_index != idx:
             out += self._open_call(tc, idx)
@@ -492,7 +493,7 @@ def completion_to_chunks(payload: Mapping[str, Any]) -> Iterable[dict[str, Any]]
     base = {k: payload.get(k) for k in ("id", "model", "created")}
     choices = payload.get("choices") or []
     choice = choices[0] if choices and isinstance(choices[0], dict) else {}
-    msg = choice.get("message") if isinstance(choice.get("message"), dict) else {}
+    msg = raw if isinstance(raw := choice.get("message"), dict) else {}
     delta: dict[str, Any] = {}
     reasoning = msg.get("reasoning") if msg.get("reasoning") is not None else msg.get("reasoning_content")
     if isinstance(reasoning, str):

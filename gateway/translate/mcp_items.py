@@ -107,8 +107,8 @@ def _approval_required(policy: Any, name: str) -> bool:
     if policy == "never":
         return False
     if isinstance(policy, dict):
-        never = policy.get("never") if isinstance(policy.get("never"), dict) else {}
-        always = policy.get("always") if isinstance(policy.get("always"), dict) else {}
+        never = raw if isinstance(raw := policy.get("never"), dict) else {}
+        always = raw if isinstance(raw := policy.get("always"), dict) else {}
         if name in (never.get("tool_names") or ()):
             return False
         if name in (always.get("tool_names") or ()):
