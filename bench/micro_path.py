@@ -12,6 +12,7 @@ workload is bench_gateway's: one ``apply_patch`` call streamed as N argument del
 from __future__ import annotations
 
 import argparse
+import inspect
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
@@ -60,6 +61,10 @@ def main() -> int:
     def state() -> Any:
         return build_request_state(body, ctx, response_id="resp_x", created_at=1)
 
+    # The translator is handed its id factory; a --root from before it was injected takes none.
+    ids = {"ids": lambda prefix: f"{prefix}_bench"} if "ids" in inspect.signature(
+        FunctionSseTranslator).parameters else {}
+
     parsed: list[tuple[str, str]] = []
 
     def parse_only() -> None:
@@ -70,7 +75,7 @@ def main() -> int:
         parsed[:] = out
 
     def translate_only() -> None:
-        t = FunctionSseTranslator(state())
+        t = FunctionSseTranslator(state(), **ids)
         for ev, data in parsed:
             t.feed(ev, data)
 
@@ -78,7 +83,7 @@ def main() -> int:
 
     def both() -> None:
         parser = SseParser()
-        t = FunctionSseTranslator(state())
+        t = FunctionSseTranslator(state(), **ids)
         feed = t.feed
         out: list[bytes] = []
         for c in chunks:

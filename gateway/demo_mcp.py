@@ -12,11 +12,15 @@ import asyncio
 import datetime
 import socket
 import threading
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mcp.server.mcpserver import MCPServer
 
 __all__ = ["start_demo_mcp"]
 
 
-def _server():  # type: ignore[no-untyped-def]
+def _server() -> MCPServer:
     from mcp.server.mcpserver import MCPServer
 
     server = MCPServer(name="responses-gateway-demo", version="1.0.0")
@@ -49,7 +53,7 @@ def start_demo_mcp(host: str = "127.0.0.1") -> str:
     port = sock.getsockname()[1]
     config = uvicorn.Config(app, log_config=None, log_level="warning", access_log=False, lifespan="on")
     server = uvicorn.Server(config)
-    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]  # the gateway owns the signals
+    # the gateway owns the signals: uvicorn installs none off the main thread (Server.capture_signals)
     threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), daemon=True,
                      name="demo-mcp").start()
     return f"http://{host}:{port}/mcp"

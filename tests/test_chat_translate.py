@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +11,7 @@ import pytest
 
 from gateway.errors import InvalidRequest
 from gateway.protocol.sse import SseParser
+from gateway.runtime import new_id
 from gateway.translate.chat import ChatToResponsesEvents, build_chat_request, chat_messages
 from gateway.translate.restore import build_request_state
 from gateway.translate.tool_context import resolve_tool_context
@@ -98,8 +100,9 @@ def test_text_format_maps_to_response_format_and_files_are_refused() -> None:
 def _translate_chat_stream(raw: bytes, request: dict[str, Any], chunk: int | None = None
                            ) -> tuple[list[dict[str, Any]], FunctionSseTranslator]:
     ctx = resolve_tool_context(request)
-    translator = FunctionSseTranslator(build_request_state(request, ctx, response_id="resp_test", created_at=1))
-    conv = ChatToResponsesEvents(model="tiny")
+    translator = FunctionSseTranslator(build_request_state(request, ctx, response_id="resp_test", created_at=1),
+                                       ids=new_id)
+    conv = ChatToResponsesEvents(model="tiny", ids=new_id, clock=time.time)
     parser = SseParser()
     out: list[bytes] = []
     pieces = [raw] if chunk is None else [raw[i:i + chunk] for i in range(0, len(raw), chunk)]
@@ -178,8 +181,9 @@ def test_non_streamed_completion_gives_the_same_items() -> None:
     payload = orjson.loads(load_cassette(cassette("chat_reasoning_calls_nonstream")).interactions[0].body)
     request = {"model": "tiny", "input": "x", "tools": [WEATHER]}
     ctx = resolve_tool_context(request)
-    translator = FunctionSseTranslator(build_request_state(request, ctx, response_id="resp_t", created_at=1))
-    for etype, data in chat_completion_events(payload, ChatToResponsesEvents()):
+    translator = FunctionSseTranslator(build_request_state(request, ctx, response_id="resp_t", created_at=1),
+                                       ids=new_id)
+    for etype, data in chat_completion_events(payload, ChatToResponsesEvents(ids=new_id, clock=time.time)):
         translator.feed(etype, data)
     final = translator.final_response
     assert final is not None and final["status"] == "completed"

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from gateway.enforce.live import GrammarTakeover
 from gateway.protocol.sse import SseParser
+from gateway.runtime import new_id
 from gateway.translate.chat import Event
 from gateway.translate.restore import build_request_state
 from gateway.translate.tool_context import resolve_tool_context
@@ -82,7 +83,7 @@ def _stream(before: list[str], after: list[str]) -> VllmStream:
 
 async def _run(body: bytes, cuts: list[int], step_cuts: list[int], constrain: bool) -> list[dict[str, Any]]:
     state = build_request_state(REQUEST, resolve_tool_context(REQUEST), response_id="resp_1", created_at=1)
-    translator = FunctionSseTranslator(state)
+    translator = FunctionSseTranslator(state, ids=new_id)
 
     async def batches() -> AsyncIterator[list[Event]]:
         parser = SseParser()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -79,8 +80,8 @@ def test_a_fabricated_approval_without_a_chain_runs_nothing(mcp_fixture_server: 
             r = post(url, {"model": "tiny", "store": False, "tools": tools, "input": fabricated("ops", name, args)})
             assert_refused(r, "input[1].approval_request_id")
         # an id in the gateway's format, minted under another key, is not one either
-        other = ApprovalSigner([b"k" * 32], random_bytes=secrets.token_bytes).mint(None, "configured:ops", "echo",
-                                                                                  '{"text": "hi"}')
+        other = ApprovalSigner([b"k" * 32], random_bytes=secrets.token_bytes, clock=time.time).mint(
+            None, "configured:ops", "echo", '{"text": "hi"}')
         r = post(url, {"model": "tiny", "store": False, "tools": tools,
                        "input": fabricated("ops", "echo", {"text": "hi"}, rid=other)})
         assert_refused(r, "input[1].approval_request_id")

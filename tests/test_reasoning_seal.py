@@ -25,7 +25,7 @@ KEY_B = base64.b64encode(os.urandom(32)).decode()
 
 
 def test_seal_and_open_round_trip_and_the_blob_reveals_nothing() -> None:
-    sealer = ReasoningSealer(parse_keys(KEY_A))
+    sealer = ReasoningSealer(parse_keys(KEY_A), random_bytes=os.urandom)
     item = {"id": "rs_1", "type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": THOUGHT}]}
     blob = sealer.seal(item)
     assert sealer.open(blob) == {"id": "rs_1", "text": THOUGHT}
@@ -37,11 +37,12 @@ def test_seal_and_open_round_trip_and_the_blob_reveals_nothing() -> None:
 
 
 def test_key_rotation_and_tampering() -> None:
-    old = ReasoningSealer(parse_keys(KEY_A))
+    old = ReasoningSealer(parse_keys(KEY_A), random_bytes=os.urandom)
     blob = old.seal({"id": "rs_2", "content": [{"type": "reasoning_text", "text": "t"}]})
-    rotated = ReasoningSealer(parse_keys(f"{KEY_B},{KEY_A}"))  # new key seals, the old one still opens
+    # the new key seals, the old one still opens
+    rotated = ReasoningSealer(parse_keys(f"{KEY_B},{KEY_A}"), random_bytes=os.urandom)
     assert rotated.open(blob) == {"id": "rs_2", "text": "t"}
-    assert ReasoningSealer(parse_keys(KEY_B)).open(blob) is None
+    assert ReasoningSealer(parse_keys(KEY_B), random_bytes=os.urandom).open(blob) is None
     tampered = blob[:-3] + ("A" if blob[-3] != "A" else "B") + blob[-2:]
     assert rotated.open(tampered) is None and rotated.open("not a blob") is None and rotated.open(None) is None
     with pytest.raises(ValueError):
@@ -49,7 +50,7 @@ def test_key_rotation_and_tampering() -> None:
 
 
 def test_open_sealed_reasoning_drops_what_does_not_open() -> None:
-    sealer = ReasoningSealer(parse_keys(KEY_A))
+    sealer = ReasoningSealer(parse_keys(KEY_A), random_bytes=os.urandom)
     good = {"type": "reasoning", "id": "rs_a", "summary": [], "encrypted_content": sealer.seal(
         {"id": "rs_a", "content": [{"type": "reasoning_text", "text": THOUGHT}]})}
     bad_empty = {"type": "reasoning", "id": "rs_b", "summary": [], "encrypted_content": "garbage"}
@@ -116,4 +117,5 @@ def test_without_the_include_nothing_is_sealed_and_non_streamed_bodies_seal_too(
                                                          "include": ["reasoning.encrypted_content"]}, timeout=30).json()
     assert body["output"][0]["type"] == "reasoning" and not body["output"][0].get("encrypted_content")
     blob = sealed["output"][0]["encrypted_content"]
-    assert ReasoningSealer(parse_keys(KEY_A)).open(blob) == {"id": "rs_00000000000000f1", "text": THOUGHT}
+    opened = ReasoningSealer(parse_keys(KEY_A), random_bytes=os.urandom).open(blob)
+    assert opened == {"id": "rs_00000000000000f1", "text": THOUGHT}

@@ -143,7 +143,7 @@ def test_each_owner_has_its_own_item_ids(store: ResponseStore) -> None:
 
 
 def test_a_blob_sealed_for_one_owner_does_not_open_for_another() -> None:
-    sealer = ReasoningSealer(parse_keys(base64.b64encode(os.urandom(32)).decode()))
+    sealer = ReasoningSealer(parse_keys(base64.b64encode(os.urandom(32)).decode()), random_bytes=os.urandom)
     item = {"id": "rs_1", "content": [{"type": "reasoning_text", "text": "thought"}]}
     blob = sealer.seal(item, owner="owner-a")
     assert sealer.open(blob, owner="owner-a") == {"id": "rs_1", "text": "thought"}

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from gateway.protocol.sse import SseParser
+from gateway.runtime import new_id
 from gateway.translate.restore import build_request_state, restore_output, restore_response
 from gateway.translate.tool_context import resolve_tool_context
 from gateway.translate.translator import FunctionSseTranslator
@@ -49,7 +50,7 @@ NAMESPACE = {"type": "namespace", "name": "crm", "description": "CRM", "tools": 
 
 def translate(body: bytes, request: dict[str, Any], chunk: int | None = None) -> tuple[list[dict[str, Any]], Any]:
     state = build_request_state(request, resolve_tool_context(request), response_id="resp_test", created_at=1)
-    tr = FunctionSseTranslator(state)
+    tr = FunctionSseTranslator(state, ids=new_id)
     parser = SseParser()
     out: list[bytes] = []
     chunks = [body] if chunk is None else [body[i : i + chunk] for i in range(0, len(body), chunk)]
@@ -185,7 +186,7 @@ def test_unnamed_call_buffer_is_bounded() -> None:
     s.complete()
     request = {"model": "tiny", "input": "x", "tools": [DEFAULT_TOOLS[0]]}
     state = build_request_state(request, resolve_tool_context(request), response_id="r", created_at=1)
-    tr = FunctionSseTranslator(state)
+    tr = FunctionSseTranslator(state, ids=new_id)
     parser = SseParser()
     out: list[bytes] = []
     fed = 0

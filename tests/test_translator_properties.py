@@ -8,6 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gateway.protocol.sse import SseParser
+from gateway.runtime import new_id
 from gateway.translate.custom_input import InputDecoder, final_input
 from gateway.translate.restore import build_request_state
 from gateway.translate.tool_context import resolve_tool_context
@@ -33,7 +34,7 @@ def cut(text: str, points: list[int]) -> list[str]:
 
 def run(body: bytes, byte_cuts: list[int], request: dict) -> list[dict]:
     state = build_request_state(request, resolve_tool_context(request), response_id="r", created_at=1)
-    tr = FunctionSseTranslator(state)
+    tr = FunctionSseTranslator(state, ids=new_id)
     parser = SseParser()
     out: list[bytes] = []
     pts = sorted({p % (len(body) + 1) for p in byte_cuts})

@@ -22,8 +22,8 @@ from typing import Any
 
 import orjson
 
-from gateway.protocol.ids import new_id
-from gateway.translate.chat import add_usage, chat_usage
+from gateway.runtime import new_id
+from gateway.translate.chat import Event, add_usage, chat_usage
 from gateway.translate.tool_context import ToolInfo
 
 __all__ = ["ContentAsCall", "InputContinuation", "args_request", "constraint_for", "pick_request"]
@@ -202,12 +202,12 @@ class InputContinuation:
         return self._ev("response.function_call_arguments.delta", {
             "delta": piece, "item_id": self.item.get("id"), "output_index": self.output_index})
 
-    def start(self) -> list[tuple[str, dict[str, Any]]]:
+    def start(self) -> list[Event]:
         """The argument prefix: no input yet, so the client sees nothing from it."""
         return [self._ev("response.function_call_arguments.delta", {
             "delta": self._args[0], "item_id": self.item.get("id"), "output_index": self.output_index})]
 
-    def feed(self, chunk: Mapping[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    def feed(self, chunk: Mapping[str, Any]) -> list[Event]:
         if self.finished:
             return []
         err = chunk.get("error")
@@ -219,11 +219,11 @@ class InputContinuation:
         usage = chat_usage(chunk.get("usage"))
         if usage is not None:
             self.usage = usage
-        out: list[tuple[str, dict[str, Any]]] = []
+        out: list[Event] = []
         for choice in chunk.get("choices") or ():
             if not isinstance(choice, dict) or choice.get("index", 0) != 0:
                 continue
-            delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else {}
+            delta = raw if isinstance(raw := choice.get("delta"), dict) else {}
             content = delta.get("content")
             if isinstance(content, str) and content and not self._closed:
                 self.content.append(content)
@@ -244,7 +244,7 @@ class InputContinuation:
         out.append(self._ev("response.output_item.done", {"item": dict(self.item), "output_index": self.output_index}))
         return out
 
-    def done(self) -> list[tuple[str, dict[str, Any]]]:
+    def done(self) -> list[Event]:
         """The step's stream ended: the response's terminal event (nothing if it never finished the call:
         the translator then fails the response rather than leave the client hanging)."""
         if self.finished or not self._closed:

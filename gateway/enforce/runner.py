@@ -35,6 +35,7 @@ import structlog
 from gateway.config import Settings
 from gateway.enforce.constrain import ContentAsCall, args_request, pick_request
 from gateway.enforce.validate import check_arguments, check_call, check_input, check_pinned_output
+from gateway.runtime import clock, new_id
 from gateway.translate.chat import ChatToResponsesEvents, Event, add_usage, build_chat_request
 from gateway.translate.custom_input import final_input
 from gateway.translate.restore import RequestState
@@ -150,7 +151,7 @@ class Enforcer:
         return payload
 
     def _add_usage(self, payload: Mapping[str, Any]) -> None:
-        conv = ChatToResponsesEvents()
+        conv = ChatToResponsesEvents(ids=new_id, clock=clock)
         conv.feed({"choices": [], "usage": payload.get("usage")})
         self.usage = add_usage(self.usage, conv.usage)
 
@@ -216,7 +217,7 @@ class Enforcer:
         for attempt in range(1, ARGS_ATTEMPTS + 1):
             payload = await self._post(self.args_body(info, stream=False))
             conv = ChatToResponsesEvents(model=self.body.get("model") if isinstance(self.body.get("model"), str)
-                                         else None)
+                                         else None, ids=new_id, clock=clock)
             conv.base_usage = self.usage
             events = chat_completion_events(payload, conv, ContentAsCall(info).feed)
             item = next((i for i in conv.output if i.get("type") == "function_call"), None)
@@ -365,10 +366,10 @@ class Guard:
             for item in output:
                 if item.get("type") != "custom_tool_call" or item.get("id") in self.checked:
                     continue
-                info, verdict = check_call(item, self.ctx)
+                info, call_verdict = check_call(item, self.ctx)
                 if info is None or info.grammar is None:
                     continue
-                outcome = "unchecked" if verdict.unchecked else "valid" if verdict.ok else "violated"
+                outcome = "unchecked" if call_verdict.unchecked else "valid" if call_verdict.ok else "violated"
                 self.enforcer.note("check", outcome, tool=info.upstream_name,
-                                   reason=verdict.reason or verdict.unchecked)
+                                   reason=call_verdict.reason or call_verdict.unchecked)
         return None

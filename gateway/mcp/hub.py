@@ -90,7 +90,7 @@ class GatewayMcpHub:
 
     def bind(self, ctx: ResolvedToolContext, body: Mapping[str, Any], owner: str | None = None
              ) -> tuple[ResolvedToolContext, _Executor]:
-        raw = body.get("tools") if isinstance(body.get("tools"), list) else []
+        raw = tools if isinstance(tools := body.get("tools"), list) else []
         index = {t.get("server_label"): i for i, t in enumerate(raw) if isinstance(t, dict) and t.get("type") == "mcp"}
         refs: dict[str, McpServerRef] = {}
         merged: list[Mapping[str, Any]] = []
@@ -118,7 +118,7 @@ class GatewayMcpHub:
                 raise InvalidRequest(f"The mcp tool '{label}' names a server the gateway may not reach: {reason}.",
                                      param=f"{param}.server_url", code="mcp_server_not_allowed")
             auth = tool.get("authorization") if isinstance(tool.get("authorization"), str) else None
-            headers = tool.get("headers") if isinstance(tool.get("headers"), dict) else {}
+            headers = given if isinstance(given := tool.get("headers"), dict) else {}
             refs[label] = McpServerRef(label=label, url=str(url), headers=dict(headers), authorization=auth,
                                        owner=owner)
             merged.append(tool)

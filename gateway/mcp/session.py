@@ -323,7 +323,7 @@ class PinnedBackend(httpcore2.AsyncNetworkBackend):
 def _pinned_client(backend: PinnedBackend, **kwargs: Any) -> httpx2.AsyncClient:
     """An HTTP client whose every connection goes through ``backend`` and which ignores proxy variables."""
     transport = httpx2.AsyncHTTPTransport(trust_env=False)
-    transport._pool._network_backend = backend  # type: ignore[attr-defined]  # read on every new connection
+    transport._pool._network_backend = backend  # read on every new connection
     return httpx2.AsyncClient(transport=transport, trust_env=False, **kwargs)
 
 

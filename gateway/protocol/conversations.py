@@ -3,7 +3,7 @@ normalization and metadata checks. Pure: no I/O, no store.
 
 Items in a conversation are in public (output) form, each with an id: a message's string content becomes one
 ``input_text`` part (``output_text`` for the assistant) and it gets ``status: "completed"``; given ids are
-kept (``ctc_`` custom calls included), missing ones are made with ``new_id``.
+kept (``ctc_`` custom calls included), missing ones are made with the caller's id factory.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from gateway.errors import InvalidRequest
-from gateway.protocol.ids import new_id
+from gateway.protocol.ids import IdFactory
 
 __all__ = ["MAX_ITEMS_PER_CALL", "check_metadata", "conversation_item", "conversation_ref", "request_items"]
 
@@ -42,8 +42,9 @@ def conversation_ref(body: Mapping[str, Any]) -> str | None:
                          param="conversation", code="invalid_type")
 
 
-def conversation_item(item: Mapping[str, Any]) -> dict[str, Any]:
-    """The public form of one item as a conversation holds it, with an id."""
+def conversation_item(item: Mapping[str, Any], ids: IdFactory) -> dict[str, Any]:
+    """The public form of one item as a conversation holds it, with an id (a fresh one from ``ids`` if it has
+    none)."""
     out = dict(item)
     if "type" not in out and "role" in out:
         out["type"] = "message"
@@ -56,7 +57,7 @@ def conversation_item(item: Mapping[str, Any]) -> dict[str, Any]:
                 out["content"] = [{"type": "input_text", "text": content}]
         out.setdefault("status", "completed")
     if not isinstance(out.get("id"), str) or not out["id"]:
-        out["id"] = new_id(_ID_PREFIX.get(str(out.get("type")), "item"))
+        out["id"] = ids(_ID_PREFIX.get(str(out.get("type")), "item"))
     return out
 
 

@@ -381,10 +381,10 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
               methods=["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]),
     ]
     # With gateway keys and no upstream key, the client's Authorization is the gateway key: never forward it.
-    middleware = [Middleware(GatewayAuthMiddleware, auth=auth,  # type: ignore[arg-type]
+    middleware = [Middleware(GatewayAuthMiddleware, auth=auth,
                              strip=not settings.upstream_api_key)] if auth.enabled else []
     # Outermost: a request for a foreign Host or from a foreign Origin reaches nothing else (WebSocket included).
-    guard = Middleware(HostOriginGuard, allowed_hosts=settings.effective_allowed_hosts(),  # type: ignore[arg-type]
+    guard = Middleware(HostOriginGuard, allowed_hosts=settings.effective_allowed_hosts(),
                        allowed_origins=settings.allowed_origins, on_refused=metrics.reject)
     middleware.insert(0, guard)
     app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware)

@@ -47,8 +47,8 @@ import orjson
 import structlog
 
 from gateway.errors import GatewayError, InvalidRequest, RateLimited, ServiceUnavailable
-from gateway.protocol.ids import new_id
 from gateway.protocol.sse import SseParser
+from gateway.runtime import new_id
 from gateway.server.record import RequestRecord
 from gateway.server.responses import Answered, Outcome, Streamed, public_input_items
 from gateway.server.shutdown import ABORT_GRACE, Drain

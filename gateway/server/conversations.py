@@ -21,7 +21,7 @@ from starlette.routing import Route
 
 from gateway.errors import InvalidRequest, NotFound
 from gateway.protocol.conversations import check_metadata, conversation_item, conversation_ref, request_items
-from gateway.protocol.ids import new_id
+from gateway.runtime import new_id
 from gateway.server.auth import request_owner
 from gateway.server.http import OrjsonResponse, list_query, read_body
 from gateway.server.record import RequestRecord
@@ -133,7 +133,7 @@ class ConversationsApi:
                     raise InvalidRequest(f"Item with id '{item['id']}' not found.", param=f"items[{i}].id",
                                          code="item_not_found")
                 item = found[item["id"]]
-            out.append(conversation_item(item))
+            out.append(conversation_item(item, new_id))
         return out
 
     async def create(self, request: Request, record: RequestRecord) -> Response:

@@ -196,6 +196,7 @@ class _ZstdStage(_Stage):
         view = memoryview(data)
         pos = 0
         carry = b""  # what a slice held past the end of a frame (< one slice)
+        piece: bytes | memoryview
         try:
             while carry or pos < len(view):
                 if self._d.eof:  # a frame ended: what follows is the next frame

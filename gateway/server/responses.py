@@ -20,7 +20,7 @@ from gateway.enforce.live import GrammarTakeover
 from gateway.enforce.runner import Enforcer, Guard, Plan, StepError, Violation, plan_for, violation_response
 from gateway.errors import GatewayError, InvalidRequest, NotFound
 from gateway.protocol.conversations import conversation_item, conversation_ref
-from gateway.protocol.ids import new_id
+from gateway.runtime import clock, new_id, random_bytes
 from gateway.server.conversations import APPENDED_STATUSES, conversation_history
 from gateway.server.record import RequestRecord
 from gateway.server.shutdown import Drain, ShuttingDown
@@ -376,18 +376,18 @@ class ResponsesHandler:
     def reasoning_sealer(self) -> ReasoningSealer:
         if self.sealer is None:
             if self.settings.reasoning_key:
-                self.sealer = ReasoningSealer(parse_keys(self.settings.reasoning_key))
+                self.sealer = ReasoningSealer(parse_keys(self.settings.reasoning_key), random_bytes=random_bytes)
             else:
                 log.warning("reasoning_key_random", message="No --reasoning-key: reasoning encrypted_content is "
                             "sealed with a random per-process key, so it does not open after a restart or on "
                             "another replica. Set GATEWAY_REASONING_KEY.")
-                self.sealer = ReasoningSealer.random()
+                self.sealer = ReasoningSealer([random_bytes(32)], random_bytes=random_bytes)
         return self.sealer
 
     async def _no_generation(self, state: RequestState, record: RequestRecord, persist: Persist | None) -> Outcome:
         """``generate: false`` (Codex's warm-up): a completed, empty response whose id later turns chain from; its
         input is kept as history. Nothing is sent upstream."""
-        translator = FunctionSseTranslator(state)
+        translator = FunctionSseTranslator(state, ids=new_id)
         frames = translator.start() + translator.end(usage=ZERO_USAGE)
         final = translator.final_response
         assert final is not None
@@ -395,12 +395,13 @@ class ResponsesHandler:
         return await self._made_here_stored(persist, frames, final, record)
 
     def _converter(self, model: str | None) -> ChatToResponsesEvents:
-        return ChatToResponsesEvents(model=model, max_unnamed_bytes=self.settings.max_unnamed_call_bytes)
+        return ChatToResponsesEvents(model=model, max_unnamed_bytes=self.settings.max_unnamed_call_bytes, ids=new_id,
+                                     clock=clock)
 
     @staticmethod
     def _translate_all(events: list[Event], state: RequestState) -> dict[str, Any]:
         """A non-streamed answer through the same translator as a stream: one code path for both."""
-        translator = FunctionSseTranslator(state)
+        translator = FunctionSseTranslator(state, ids=new_id)
         for event, data in events:
             translator.feed(event, data)
             if translator.finished:
@@ -423,7 +424,7 @@ class ResponsesHandler:
     async def _violation(self, message: str, state: RequestState, record: RequestRecord,
                          persist: Persist | None) -> Outcome:
         """No call could be made at all (the pick step failed): a failed response, streamed or not."""
-        translator = FunctionSseTranslator(state)
+        translator = FunctionSseTranslator(state, ids=new_id)
         frames = translator.fail("tool_choice_violation", message)
         final = translator.final_response or violation_response(restore_response(None, state, output=[]), message)
         record.response_status = "failed"
@@ -442,7 +443,7 @@ class ResponsesHandler:
 
     def _stream(self, batches: AsyncIterator[list[Event]], up: UpstreamResponse, state: RequestState,
                 record: RequestRecord, persist: Persist | None, guard: Guard | None) -> Outcome:
-        translator = FunctionSseTranslator(state)
+        translator = FunctionSseTranslator(state, ids=new_id)
         if guard is not None and guard.plan.regenerate:
             takeover = GrammarTakeover(state.ctx, guard.enforcer, lambda: _so_far(translator))
             guard.checked = takeover.checked
@@ -616,8 +617,8 @@ class ResponsesHandler:
             turn = None
             if conversation_id is not None and final.get("status") in APPENDED_STATUSES:
                 # A response's turn joins its conversation whatever `store` says, as OpenAI does.
-                turn_items = [conversation_item(i) for i in items]
-                turn_items += [conversation_item(o) for o in final.get("output") or () if isinstance(o, dict)]
+                turn_items = [conversation_item(i, new_id) for i in items]
+                turn_items += [conversation_item(o, new_id) for o in final.get("output") or () if isinstance(o, dict)]
                 turn = ConversationTurn(conversation_id, turn_items, now)
             if rec is None and turn is None:
                 return

@@ -30,7 +30,7 @@ import asyncio
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -38,6 +38,7 @@ import orjson
 import structlog
 
 from gateway.errors import InvalidRequest
+from gateway.runtime import new_id
 from gateway.server.shutdown import ShuttingDown
 from gateway.translate.approvals import ApprovalSigner
 from gateway.translate.mcp_items import CEILING_APPROVAL, McpCallOutcome, list_tools_item, mcp_call_item, tool_allowed
@@ -110,7 +111,7 @@ class LazyMcpHub:
 
     def bind(self, ctx: ResolvedToolContext, body: Mapping[str, Any], owner: str | None = None
              ) -> tuple[ResolvedToolContext, McpExecutor]:
-        return self._load().bind(ctx, body, owner)  # type: ignore[no-any-return]
+        return self._load().bind(ctx, body, owner)
 
     async def aclose(self) -> None:
         if self._hub is not None:
@@ -138,7 +139,7 @@ def approval_signer(reasoning_key: str | None) -> ApprovalSigner:
         signer = _SIGNERS.get(reasoning_key or "")
         if signer is None:
             keys = parse_keys(reasoning_key) if reasoning_key else [os.urandom(32)]
-            signer = _SIGNERS[reasoning_key or ""] = ApprovalSigner(keys, random_bytes=os.urandom)
+            signer = _SIGNERS[reasoning_key or ""] = ApprovalSigner(keys, random_bytes=os.urandom, clock=time.time)
         return signer
 
 
@@ -269,7 +270,7 @@ class ToolLoop:
         for label, (tools, error) in zip(to_list, results, strict=True):
             server = ctx.mcp_server(label) or {}
             tools = [t for t in tools if tool_allowed(server, t)]
-            item = list_tools_item(label, tools, error)
+            item = list_tools_item(label, tools, error, item_id=new_id("mcpl"))
             status = "failed" if error else "completed"
             shown.append(Shown({**item, "tools": [], "error": None}, [("response.mcp_list_tools.in_progress", {}),
                                                                       (f"response.mcp_list_tools.{status}", {})],
@@ -299,8 +300,8 @@ class ToolLoop:
 
     # ------------------------------------------------------------------ the rounds
 
-    async def frames(self, state: RequestState, shown: list[Shown]) -> AsyncIterator[bytes]:
-        translator = FunctionSseTranslator(state, mint_approval=self._mint)
+    async def frames(self, state: RequestState, shown: list[Shown]) -> AsyncGenerator[bytes, None]:
+        translator = FunctionSseTranslator(state, mint_approval=self._mint, ids=new_id)
         self.translator = translator
         out: list[bytes] = []
         for item in shown:
@@ -310,12 +311,12 @@ class ToolLoop:
         for response, request, _ in self.approved:
             if response.get("approve") is not True:
                 continue
-            item = await self._run_approved(request, response)
-            out += translator.owned_item(mcp_call_item(item["server_label"], item["name"], "",
-                                                       item_id=item["id"],
-                                                       approval_request_id=item["approval_request_id"]),
-                                         _call_events(item), item)
-            round_history.append(item)
+            ran = await self._run_approved(request, response)
+            out += translator.owned_item(mcp_call_item(ran["server_label"], ran["name"], "",
+                                                       item_id=ran["id"],
+                                                       approval_request_id=ran["approval_request_id"]),
+                                         _call_events(ran), ran)
+            round_history.append(ran)
         if not out:
             out += translator.start()
         yield b"".join(out)
@@ -377,7 +378,7 @@ class ToolLoop:
 
         tasks = [asyncio.ensure_future(one(c)) for c in runnable]
 
-        async def results() -> AsyncIterator[tuple[dict[str, Any], McpCallOutcome]]:
+        async def results() -> AsyncGenerator[tuple[dict[str, Any], McpCallOutcome], None]:
             for next_done in asyncio.as_completed(tasks):
                 yield await next_done
 
@@ -404,7 +405,8 @@ class ToolLoop:
         label, name, arguments = str(request.get("server_label")), str(request.get("name")), str(
             request.get("arguments") or "{}")
         result = await self._call(label, name, arguments)
-        item = mcp_call_item(label, name, arguments, approval_request_id=str(request.get("id")),
+        item = mcp_call_item(label, name, arguments, item_id=new_id("mcp"),
+                             approval_request_id=str(request.get("id")),
                              status="failed" if result.error else "completed")
         item.update(output=result.output, error=result.error)
         self.executed += 1

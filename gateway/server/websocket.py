@@ -126,7 +126,7 @@ class ResponsesSocket:
             authorized, presented = verdict(ws.scope)
             if not authorized:  # 401 before upgrading, in OpenAI's shape
                 self.metrics.reject("unauthorized")
-                exc = unauthorized(presented)
+                exc: GatewayError = unauthorized(presented)
                 with contextlib.suppress(RuntimeError):
                     await ws.send_denial_response(OrjsonResponse(exc.body(), status_code=401, headers=exc.headers))
                     return

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import re
 import time
-from typing import Any
+from typing import Any, TypeAlias
 
 import asyncpg
 import orjson
@@ -29,6 +29,8 @@ from gateway.store.base import (
 )
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
+# a connection as the pool hands it out (a proxy) or as connect() makes it
+_Conn: TypeAlias = "asyncpg.Connection[Any] | asyncpg.pool.PoolConnectionProxy[Any]"
 
 # MIGRATIONS[n] takes the schema from version n to n + 1; "{s}" is the quoted schema name.
 # Append only; never edit a released one.
@@ -315,7 +317,7 @@ class PostgresResponseStore(ResponseStore):
             raise
         self._pool = pool
 
-    async def _migrate(self, conn: asyncpg.Connection) -> None:
+    async def _migrate(self, conn: _Conn) -> None:
         s = f'"{self.schema}"'
         async with conn.transaction():
             # Concurrent CREATE ... IF NOT EXISTS can still collide on the catalog's unique indexes;
@@ -517,8 +519,8 @@ class PostgresResponseStore(ResponseStore):
             raise
         self._listen_conn = conn
 
-    def _on_notification(self, conn: object, pid: int, channel: str, payload: str) -> None:
-        response_id, _, what = payload.partition(" ")
+    def _on_notification(self, conn: object, pid: int, channel: str, payload: object) -> None:
+        response_id, _, what = str(payload).partition(" ")
         self._notify_local(response_id, what)
 
     # ------------------------------------------------------------------ conversations
@@ -554,7 +556,7 @@ class PostgresResponseStore(ResponseStore):
         async with self.pool.acquire() as conn, conn.transaction():
             return await self._append(conn, conversation_id, items, updated_at, owner)
 
-    async def _append(self, conn: asyncpg.Connection, conversation_id: str, items: list[dict[str, Any]],
+    async def _append(self, conn: _Conn, conversation_id: str, items: list[dict[str, Any]],
                       updated_at: int, owner: str | None) -> bool:
         end = await conn.fetchval(self._reserve_sql, conversation_id, len(items), updated_at, owner)
         if end is None:

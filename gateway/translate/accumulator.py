@@ -32,8 +32,8 @@ class UpstreamItem:
 
     @property
     def arguments(self) -> str:
-        if self.done and isinstance(self.item.get("arguments"), str):
-            return self.item["arguments"]
+        if self.done and isinstance(args := self.item.get("arguments"), str):
+            return args
         if self.args_done is not None:
             return self.args_done
         return "".join(self.args)

@@ -17,14 +17,15 @@ clock and the random source, which are injected.
 from __future__ import annotations
 
 import hmac
-import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from hashlib import sha256
 
 import orjson
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from gateway.protocol.ids import Clock, RandomBytes
 
 __all__ = ["APPROVAL_TTL", "ApprovalSigner"]
 
@@ -41,8 +42,8 @@ def _derive(key: bytes) -> bytes:
 
 
 class ApprovalSigner:
-    def __init__(self, keys: Sequence[bytes], *, random_bytes: Callable[[int], bytes],
-                 clock: Callable[[], float] = time.time, ttl: float = APPROVAL_TTL) -> None:
+    def __init__(self, keys: Sequence[bytes], *, random_bytes: RandomBytes, clock: Clock,
+                 ttl: float = APPROVAL_TTL) -> None:
         if not keys:
             raise ValueError("ApprovalSigner needs at least one key")
         self._keys = [_derive(bytes(k)) for k in keys]

@@ -15,7 +15,6 @@ Two halves:
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,7 +22,7 @@ from typing import Any
 import orjson
 
 from gateway.errors import InvalidRequest
-from gateway.protocol.ids import new_id
+from gateway.protocol.ids import Clock, IdFactory
 from gateway.translate.rewrite import upstream_input_items, upstream_tools
 from gateway.translate.tool_context import ResolvedToolContext
 from gateway.translate.usage import add_usage
@@ -119,7 +118,8 @@ def _reasoning_text(item: Mapping[str, Any], param: str) -> str:
     return text or "".join(str(s.get("text", "")) for s in summary or () if isinstance(s, dict))
 
 
-def chat_messages(body: Mapping[str, Any], ctx: ResolvedToolContext, history: Sequence[Any] = ()) -> list[dict]:
+def chat_messages(body: Mapping[str, Any], ctx: ResolvedToolContext,
+                  history: Sequence[Any] = ()) -> list[dict[str, Any]]:
     """The conversation as chat messages: instructions, history, then the new input."""
     messages: list[dict[str, Any]] = []
     if isinstance(body.get("instructions"), str) and body["instructions"]:
@@ -248,8 +248,8 @@ def chat_usage(u: Any) -> dict[str, Any] | None:
     """A chat completion's usage in the Responses shape (numbers only in the details)."""
     if not isinstance(u, dict):
         return None
-    details = u.get("completion_tokens_details") if isinstance(u.get("completion_tokens_details"), dict) else {}
-    cached = u.get("prompt_tokens_details") if isinstance(u.get("prompt_tokens_details"), dict) else {}
+    details = raw if isinstance(raw := u.get("completion_tokens_details"), dict) else {}
+    cached = raw if isinstance(raw := u.get("prompt_tokens_details"), dict) else {}
     inp, out = int(u.get("prompt_tokens") or 0), int(u.get("completion_tokens") or 0)
     return {
         "input_tokens": inp,
@@ -281,9 +281,10 @@ class ChatToResponsesEvents:
     """
 
     def __init__(self, model: str | None = None, response_id: str | None = None,
-                 max_unnamed_bytes: int = 256 * 1024) -> None:
+                 max_unnamed_bytes: int = 256 * 1024, *, ids: IdFactory, clock: Clock) -> None:
+        self._ids = ids  # fresh ids for the items this converter opens
         self.response: dict[str, Any] = {
-            "id": response_id or new_id("resp"), "object": "response", "created_at": int(time.time()),
+            "id": response_id or ids("resp"), "object": "response", "created_at": int(clock()),
             "model": model, "status": "in_progress", "output": [], "usage": None, "error": None,
             "incomplete_details": None,
         }
@@ -382,7 +383,7 @@ class ChatToResponsesEvents:
         for choice in chunk.get("choices") or ():
             if not isinstance(choice, dict) or choice.get("index", 0) != 0:
                 continue  # n > 1 has no Responses form; the first choice is the answer
-            delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else {}
+            delta = raw if isinstance(raw := choice.get("delta"), dict) else {}
             out += self._delta(delta)
             if choice.get("finish_reason"):
                 self.finish_reason = str(choice["finish_reason"])
@@ -395,7 +396,7 @@ class ChatToResponsesEvents:
             reasoning = delta.get("reasoning_content")
         if isinstance(reasoning, str) and reasoning:
             if self._open is None or self._open.kind != "reasoning":
-                out += self._open_item("reasoning", {"id": new_id("rs"), "type": "reasoning", "summary": [],
+                out += self._open_item("reasoning", {"id": self._ids("rs"), "type": "reasoning", "summary": [],
                                                      "content": [], "status": "in_progress"})
             assert self._open is not None
             self._open.text.append(reasoning)
@@ -405,7 +406,7 @@ class ChatToResponsesEvents:
         content = delta.get("content")
         if isinstance(content, str) and content:
             if self._open is None or self._open.kind != "message":
-                out += self._open_item("message", {"id": new_id("msg"), "type": "message", "role": "assistant",
+                out += self._open_item("message", {"id": self._ids("msg"), "type": "message", "role": "assistant",
                                                    "content": [], "status": "in_progress"})
             assert self._open is not None
             self._open.text.append(content)
@@ -420,7 +421,7 @@ class ChatToResponsesEvents:
     def _tool_call(self, tc: Mapping[str, Any]) -> list[Event]:
         out: list[Event] = []
         idx = tc.get("index", 0)
-        fn = tc.get("function") if isinstance(tc.get("function"), dict) else {}
+        fn = raw if isinstance(raw := tc.get("function"), dict) else {}
         op = self._open
         if op is None or op.kind != "call" or op.chat_index != idx:
             out += self._open_call(tc, idx)
@@ -446,8 +447,8 @@ class ChatToResponsesEvents:
 
     def _open_call(self, tc: Mapping[str, Any], idx: Any) -> list[Event]:
         out = self._close()
-        call_id = tc.get("id") if isinstance(tc.get("id"), str) else new_id("call")
-        item = {"arguments": "", "call_id": call_id, "name": None, "type": "function_call", "id": new_id("fc"),
+        call_id = tc.get("id") if isinstance(tc.get("id"), str) else self._ids("call")
+        item = {"arguments": "", "call_id": call_id, "name": None, "type": "function_call", "id": self._ids("fc"),
                 "status": "in_progress"}
         self._open = _Open("call", len(self.output), item, chat_index=idx)
         self.output.append(item)
@@ -492,7 +493,7 @@ def completion_to_chunks(payload: Mapping[str, Any]) -> Iterable[dict[str, Any]]
     base = {k: payload.get(k) for k in ("id", "model", "created")}
     choices = payload.get("choices") or []
     choice = choices[0] if choices and isinstance(choices[0], dict) else {}
-    msg = choice.get("message") if isinstance(choice.get("message"), dict) else {}
+    msg = raw if isinstance(raw := choice.get("message"), dict) else {}
     delta: dict[str, Any] = {}
     reasoning = msg.get("reasoning") if msg.get("reasoning") is not None else msg.get("reasoning_content")
     if isinstance(reasoning, str):

@@ -18,8 +18,6 @@ from typing import Any
 
 import orjson
 
-from gateway.protocol.ids import new_id
-
 __all__ = [
     "CEILING_APPROVAL",
     "McpCallOutcome",
@@ -109,8 +107,8 @@ def _approval_required(policy: Any, name: str) -> bool:
     if policy == "never":
         return False
     if isinstance(policy, dict):
-        never = policy.get("never") if isinstance(policy.get("never"), dict) else {}
-        always = policy.get("always") if isinstance(policy.get("always"), dict) else {}
+        never = raw if isinstance(raw := policy.get("never"), dict) else {}
+        always = raw if isinstance(raw := policy.get("always"), dict) else {}
         if name in (never.get("tool_names") or ()):
             return False
         if name in (always.get("tool_names") or ()):
@@ -120,9 +118,9 @@ def _approval_required(policy: Any, name: str) -> bool:
     return True
 
 
-def list_tools_item(server_label: str, tools: Iterable[Mapping[str, Any]], error: str | None = None,
-                    item_id: str | None = None) -> dict[str, Any]:
-    return {"id": item_id or new_id("mcpl"), "type": "mcp_list_tools", "server_label": server_label,
+def list_tools_item(server_label: str, tools: Iterable[Mapping[str, Any]], error: str | None = None, *,
+                    item_id: str) -> dict[str, Any]:
+    return {"id": item_id, "type": "mcp_list_tools", "server_label": server_label,
             "tools": [{"name": t.get("name"), "description": t.get("description"),
                        "input_schema": t.get("input_schema") or {"type": "object"},
                        "annotations": t.get("annotations")} for t in tools],
@@ -141,16 +139,16 @@ def tool_function(upstream_name: str, tool: Mapping[str, Any], server: Mapping[s
             "parameters": schema if isinstance(schema, dict) and schema else {"type": "object", "properties": {}}}
 
 
-def mcp_call_item(server_label: str, name: str, arguments: str = "", *, item_id: str | None = None,
+def mcp_call_item(server_label: str, name: str, arguments: str = "", *, item_id: str,
                   approval_request_id: str | None = None, status: str = "in_progress") -> dict[str, Any]:
-    return {"id": item_id or new_id("mcp"), "type": "mcp_call", "server_label": server_label, "name": name,
+    return {"id": item_id, "type": "mcp_call", "server_label": server_label, "name": name,
             "arguments": arguments, "output": None, "error": None, "approval_request_id": approval_request_id,
             "status": status}
 
 
 def approval_request_item(server_label: str, name: str, arguments: str = "", *,
-                          item_id: str | None = None) -> dict[str, Any]:
-    return {"id": item_id or new_id("mcpr"), "type": "mcp_approval_request", "server_label": server_label,
+                          item_id: str) -> dict[str, Any]:
+    return {"id": item_id, "type": "mcp_approval_request", "server_label": server_label,
             "name": name, "arguments": arguments}
 
 
@@ -166,9 +164,16 @@ def call_failed_text(error: Mapping[str, Any]) -> str:
     return f"The tool call failed ({etype}): {error.get('message')}"
 
 
+def _content_id(prefix: str, item: Mapping[str, Any]) -> str:
+    """An id for a history item that came without one: a hash of the item, so the same history reaches the
+    model with the same ids on every turn (and stays a cacheable prefix)."""
+    digest = hashlib.blake2b(orjson.dumps(item, option=orjson.OPT_SORT_KEYS), digest_size=12).hexdigest()
+    return f"{prefix}_{digest}"
+
+
 def mcp_call_history(item: Mapping[str, Any], upstream_name: str) -> list[dict[str, Any]]:
     """An ``mcp_call`` as what the model sees on the next turn: its function call and the call's output."""
-    call_id = str(item.get("id") or new_id("mcp"))
+    call_id = str(item.get("id") or _content_id("mcp", item))
     error = item.get("error")
     if isinstance(error, dict):
         output = call_failed_text(error)
@@ -183,7 +188,7 @@ def mcp_call_history(item: Mapping[str, Any], upstream_name: str) -> list[dict[s
 
 def denied_history(request: Mapping[str, Any], upstream_name: str, reason: str | None) -> list[dict[str, Any]]:
     """A denied approval request as what the model sees: the call, and that the user refused it."""
-    call_id = str(request.get("id") or new_id("mcpr"))
+    call_id = str(request.get("id") or _content_id("mcpr", request))
     why = f" Reason: {reason}" if reason else ""
     return [{"type": "function_call", "call_id": call_id, "name": upstream_name,
              "arguments": str(request.get("arguments") or "{}"), "status": "completed"},

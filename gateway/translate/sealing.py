@@ -21,11 +21,12 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import orjson
+
+from gateway.protocol.ids import RandomBytes
 
 __all__ = ["ReasoningSealer", "open_sealed_reasoning", "parse_keys", "reasoning_text"]
 
@@ -67,22 +68,20 @@ def reasoning_text(item: Mapping[str, Any]) -> str:
 
 
 class ReasoningSealer:
-    def __init__(self, keys: Sequence[bytes]) -> None:
+    def __init__(self, keys: Sequence[bytes], *, random_bytes: RandomBytes) -> None:
+        """``keys``: the first seals, all open; ``random_bytes``: the nonces' source (``os.urandom``)."""
         from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
         if not keys:
             raise ValueError("ReasoningSealer needs at least one key")
         self._ciphers = [(hashlib.sha256(k).digest()[:4], AESGCM(bytes(k))) for k in keys]
+        self._random = random_bytes
         self.rejected = 0
-
-    @classmethod
-    def random(cls) -> ReasoningSealer:
-        return cls([os.urandom(32)])
 
     def seal(self, item: Mapping[str, Any], owner: str | None = None) -> str:
         """The blob of ``item``, opening only for ``owner`` (None: a gateway without API keys)."""
         key_id, cipher = self._ciphers[0]
-        nonce = os.urandom(_NONCE)
+        nonce = self._random(_NONCE)
         plain = orjson.dumps({"id": item.get("id"), "text": reasoning_text(item)})
         blob = _VERSION + key_id + nonce + cipher.encrypt(nonce, plain, _aad(owner))
         return base64.urlsafe_b64encode(blob).decode().rstrip("=")

@@ -45,6 +45,7 @@ from typing import Any
 
 import orjson
 
+from gateway.protocol.ids import IdFactory
 from gateway.translate.accumulator import ResponseAccumulator, UpstreamItem
 from gateway.translate.custom_input import InputDecoder, final_input
 from gateway.translate.mcp_items import approval_request_item, approval_required, mcp_call_item
@@ -97,8 +98,10 @@ class _Item:
 
 
 class FunctionSseTranslator:
-    def __init__(self, state: RequestState, mint_approval: Callable[[str, str, str], str] | None = None) -> None:
+    def __init__(self, state: RequestState, mint_approval: Callable[[str, str, str], str] | None = None, *,
+                 ids: IdFactory) -> None:
         self.state = state
+        self.ids = ids  # the ids of gateway-owned items the upstream's own ids do not give
         self.mint_approval = mint_approval  # (server label, tool name, arguments) → the request's id
         self.acc = ResponseAccumulator()
         self.stats = TranslatorStats()
@@ -235,7 +238,7 @@ class FunctionSseTranslator:
         return []  # duplicates (and queued) are folded into the snapshot only
 
     def _on_error(self, etype: str, d: dict[str, Any], data: str) -> list[bytes]:
-        err = d.get("error") if isinstance(d.get("error"), dict) else d
+        err = raw if isinstance(raw := d.get("error"), dict) else d
         code = err.get("code")
         return self.fail(code if isinstance(code, str) else "upstream_error",
                          str(err.get("message") or "The upstream reported an error."))
@@ -370,10 +373,10 @@ class FunctionSseTranslator:
             return []
         if approval_required(server, info.name):
             st.kind = "approval"
-            item = approval_request_item(label, info.name, "", item_id=f"mcpr_{suffix}" if suffix else None)
+            item = approval_request_item(label, info.name, "", item_id=f"mcpr_{suffix}" if suffix else self.ids("mcpr"))
         else:
             st.kind = "mcp"
-            item = mcp_call_item(label, info.name, "", item_id=f"mcp_{suffix}" if suffix else None)
+            item = mcp_call_item(label, info.name, "", item_id=f"mcp_{suffix}" if suffix else self.ids("mcp"))
         self.stats.mcp_calls += 1
         st.item_id = item["id"]
         st.opened = item

@@ -28,8 +28,8 @@ def normalize_usage(u: Any) -> dict[str, Any] | None:
     """OpenAI's usage object from an upstream one (None stays None: usage not known yet)."""
     if not isinstance(u, dict):
         return None
-    ind = u.get("input_tokens_details") if isinstance(u.get("input_tokens_details"), dict) else {}
-    outd = u.get("output_tokens_details") if isinstance(u.get("output_tokens_details"), dict) else {}
+    ind = raw if isinstance(raw := u.get("input_tokens_details"), dict) else {}
+    outd = raw if isinstance(raw := u.get("output_tokens_details"), dict) else {}
     inp, out = _int(u.get("input_tokens")), _int(u.get("output_tokens"))
     total = _int(u.get("total_tokens")) if "total_tokens" in u else inp + out
     return {

@@ -8,7 +8,7 @@ e.g. a constrained step's content turned into a call by ``ContentAsCall``).
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import orjson
 
@@ -33,13 +33,14 @@ class ChunkConverter(Protocol):
 
 async def responses_event_batches(up: UpstreamResponse) -> AsyncIterator[list[Event]]:
     parser = SseParser()
+    # The parser's (event, text) pairs are Events whose data is text (cast: a list is invariant in its items).
     async for chunk in up.aiter_bytes():
         events = parser.feed(chunk)
         if events:
-            yield events
+            yield cast(list[Event], events)
     tail = parser.close()
     if tail:
-        yield tail
+        yield cast(list[Event], tail)
 
 
 def chat_chunk_events(data: str, conv: ChunkConverter,

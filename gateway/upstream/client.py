@@ -219,7 +219,7 @@ class _Client(httpx.AsyncClient):
 
     _NO_COOKIES = _NoCookies()
 
-    @property  # type: ignore[override]
+    @property
     def cookies(self) -> httpx.Cookies:
         return self._NO_COOKIES
 
@@ -227,15 +227,17 @@ class _Client(httpx.AsyncClient):
     def cookies(self, cookies: Any) -> None:
         pass
 
-    def _init_transport(self, *, transport: httpx.AsyncBaseTransport | None = None, limits: httpx.Limits,
-                        **kwargs: Any) -> httpx.AsyncBaseTransport:
+    # httpx's private hooks, which it calls with keywords only: the positional signature it declares is not kept
+    def _init_transport(  # type: ignore[override]
+            self, *, transport: httpx.AsyncBaseTransport | None = None, limits: httpx.Limits,
+            **kwargs: Any) -> httpx.AsyncBaseTransport:
         if transport is not None:
             return transport
         return UpstreamTransport(limits=limits, verify=kwargs.get("verify", True), cert=kwargs.get("cert"),
                                  trust_env=kwargs.get("trust_env", True))
 
-    def _init_proxy_transport(self, proxy: httpx.Proxy, *, limits: httpx.Limits,
-                              **kwargs: Any) -> httpx.AsyncBaseTransport:
+    def _init_proxy_transport(  # type: ignore[override]
+            self, proxy: httpx.Proxy, *, limits: httpx.Limits, **kwargs: Any) -> httpx.AsyncBaseTransport:
         if proxy.url.scheme not in ("http", "https"):  # aiohttp would speak HTTP to it: fail at start-up instead
             raise ValueError(f"Unsupported proxy for the upstream: {proxy.url.scheme}:// (only http:// and https://)")
         return UpstreamTransport(limits=limits, proxy=proxy, verify=kwargs.get("verify", True),
