@@ -180,9 +180,15 @@ REQUEST = {"model": "tiny", "input": "hi"}
 
 
 def test_requests_spread_over_both_workers_and_metrics_sum_them(tmp_path: Path) -> None:
-    with upstream() as (up_url, _up), gateway(up_url, tmp_path) as gw:
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    with upstream() as (up_url, _up), gateway(up_url, tmp_path, TMPDIR=str(scratch)) as gw:
         pids = gw.worker_pids()
         assert gw.proc.pid not in pids  # the parent serves nothing
+        # The parent's folder for the metrics files and the shared limits: private.
+        (private,) = scratch.iterdir()
+        assert stat.S_IMODE(private.stat().st_mode) == 0o700
+        assert {p.name for p in private.iterdir()} == {"metrics", "limits"}
         ids = []
         for n in range(16):  # a new connection each: the kernel picks the worker
             rid = f"spread-{n}"
@@ -199,6 +205,7 @@ def test_requests_spread_over_both_workers_and_metrics_sum_them(tmp_path: Path) 
             assert metric(text, "responses_gateway_in_flight_requests") == 0
             assert 'pid="' not in text  # summed, not one series per worker
         assert gw.stop() == 0
+    assert list(scratch.iterdir()) == []  # removed by the parent on its way out
 
 
 def test_background_run_is_resumed_and_cancelled_through_the_other_worker(tmp_path: Path) -> None:
@@ -269,6 +276,55 @@ def test_the_concurrency_limit_holds_across_workers(tmp_path: Path) -> None:
             assert reader.error is None and b"response.completed" in reader.raw
         # The slots came back: B answers again.
         assert on_b.post("/v1/responses", json=REQUEST).status_code == 200
+        assert gw.stop() == 0
+
+
+def test_background_and_websocket_caps_hold_across_workers(tmp_path: Path) -> None:
+    with upstream(delay=0.15) as (up_url, _up), \
+            gateway(up_url, tmp_path, GATEWAY_MAX_BACKGROUND_RESPONSES="1",
+                    GATEWAY_MAX_WEBSOCKET_CONNECTIONS="1") as gw:
+        a, b = sorted(gw.worker_pids())
+        on_a = gw.client_on(a)
+        created = on_a.post("/v1/responses", json={**REQUEST, "background": True})
+        assert created.status_code == 200
+        refused = gw.client_on(b).post("/v1/responses", json={**REQUEST, "background": True},
+                                       headers={"x-request-id": "bg-over"})
+        assert refused.status_code == 429 and gw.pid_of("bg-over") == b
+        gw.client_on(b).post(f"/v1/responses/{created.json()['id']}/cancel")
+        from websockets.sync.client import connect
+
+        ws_url = gw.url.replace("http://", "ws://") + "/v1/responses"
+        with connect(ws_url):
+            refusals = 0
+            for _ in range(6):  # whichever worker each handshake lands on, the one open connection is the cap
+                try:
+                    with connect(ws_url):
+                        pass
+                except Exception as exc:
+                    assert "503" in str(exc), exc
+                    refusals += 1
+            assert refusals == 6
+        assert gw.stop() == 0
+
+
+def test_a_worker_that_dies_is_replaced_and_its_slots_freed(tmp_path: Path) -> None:
+    with upstream(delay=0.3) as (up_url, _up), \
+            gateway(up_url, tmp_path, GATEWAY_MAX_CONCURRENCY="2") as gw:
+        a, b = sorted(gw.worker_pids())
+        on_b = gw.client_on(b)
+        streams = [StreamReader(gw.client_on(a)) for _ in range(2)]
+        for reader in streams:
+            reader.start()
+        for reader in streams:
+            assert reader.first.wait(20)
+        assert on_b.post("/v1/responses", json=REQUEST).status_code == 429
+        os.kill(a, signal.SIGKILL)  # its two slots die with it, unreleased
+        wait_for(lambda: len(gw.worker_pids() - {a}) == 2, timeout=30, what="a replacement worker")
+        assert any(line.get("event") == "worker_died" and line.get("worker_pid") == a for line in gw.lines())
+        for reader in streams:
+            reader.join(10)
+        assert httpx.post(gw.url + "/v1/responses", json=REQUEST, timeout=30).status_code == 200
+        assert metric(httpx.get(gw.url + "/metrics").text, "responses_gateway_in_flight_requests") == 0
         assert gw.stop() == 0
 
 
@@ -351,3 +407,28 @@ def test_without_a_store_the_workers_of_one_start_share_a_key(tmp_path: Path) ->
         assert THOUGHT in json.dumps(up.bodies[-1])
         assert any(line.get("event") == "reasoning_key_per_start" for line in gw.lines())
         assert gw.stop() == 0
+
+
+def test_shared_tally_counts_every_workers_row_and_forgets_a_cleared_one(tmp_path: Path) -> None:
+    from gateway.server.limits import BACKGROUND, CONCURRENCY, WEBSOCKETS, SharedTally
+
+    parent = SharedTally.create(str(tmp_path), workers=2, owner_entries=4)
+    assert stat.S_IMODE((tmp_path / "limits").stat().st_mode) == 0o600
+    one, two = SharedTally(parent.path, 2, 4), SharedTally(parent.path, 2, 4)
+    one.attach(0)
+    two.attach(1)
+    assert one.take(CONCURRENCY, 2) is None and two.take(CONCURRENCY, 2) is None
+    assert one.take(CONCURRENCY, 2) == "total" and two.take(CONCURRENCY, 2) == "total"
+    assert two.take(WEBSOCKETS, None) is None and one.total(WEBSOCKETS) == 1  # None: no bound
+    # Per owner: counted across workers, and apart from other owners.
+    assert one.take(BACKGROUND, 10, "key-a", 2) is None and two.take(BACKGROUND, 10, "key-a", 2) is None
+    assert one.take(BACKGROUND, 10, "key-a", 2) == "owner"
+    assert one.take(BACKGROUND, 10, "key-b", 2) is None and two.owned("key-a") == 2
+    two.give(BACKGROUND, "key-a")
+    assert one.owned("key-a") == 1 and one.take(BACKGROUND, 10, "key-a", 2) is None
+    # Worker 0 dies holding a request slot, two runs and their owners: the parent frees them.
+    parent.clear(0)
+    assert two.total(CONCURRENCY) == 1 and two.total(BACKGROUND) == 0 and two.owned("key-a") == 0
+    assert two.take(CONCURRENCY, 2) is None
+    for tally in (one, two, parent):
+        tally.close()
