@@ -97,6 +97,8 @@ def _run_workers(settings: Settings) -> int:
             "and MCP approval ids do not survive a restart nor open on another replica. Set GATEWAY_REASONING_KEY.")
         settings = settings.with_overrides(reasoning_key=new_key())
 
+    import gateway.server.app  # noqa: F401  # imported once here, shared by the forked workers (copy-on-write)
+
     def serve(context: WorkerContext, sock: socket.socket) -> int:
         return _serve(settings, worker=context, sockets=[sock])
 

@@ -432,3 +432,23 @@ def test_shared_tally_counts_every_workers_row_and_forgets_a_cleared_one(tmp_pat
     assert two.take(CONCURRENCY, 2) is None
     for tally in (one, two, parent):
         tally.close()
+
+
+def test_a_worker_that_cannot_start_stops_the_gateway_with_status_1(tmp_path: Path) -> None:
+    import socket
+
+    gw = Gateway("http://127.0.0.1:9", tmp_path, GATEWAY_STORE="postgresql://gateway@127.0.0.1:1/none")
+    try:
+        assert gw.proc.wait(60) == 1  # the store is unreachable: no worker serves, none is respawned
+        assert not any(line.get("event") == "worker_died" for line in gw.lines())
+    finally:
+        gw.close()
+    with socket.socket() as taken:  # a port someone else holds (without SO_REUSEPORT): a clear line, status 1
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        gw = Gateway("http://127.0.0.1:9", tmp_path, port=taken.getsockname()[1])
+        try:
+            assert gw.proc.wait(60) == 1
+            assert "cannot listen on" in gw.log.read_text()
+        finally:
+            gw.close()

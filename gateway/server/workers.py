@@ -20,7 +20,7 @@ Signals: SIGTERM or SIGINT to the parent is forwarded (as SIGTERM) to every work
 parent exits 0 once all of them did. A second signal is forwarded too (each worker then stops at once). Workers
 are in a process group of their own, so a terminal's Ctrl-C reaches them only through the parent, and they get
 SIGTERM if the parent dies. A worker that dies otherwise is replaced (its slots freed first: see limits.py); one
-that fails to start (exit status 1: port, store, bad flags) stops the gateway with status 1.
+that fails to start (its store unreachable, …) stops the gateway with status 1.
 """
 
 from __future__ import annotations
@@ -48,7 +48,10 @@ log = structlog.get_logger("gateway.workers")
 
 __all__ = ["WorkerContext", "supervise"]
 
-STARTUP_FAILED = 1  # a worker's exit status when it never served (serve_until_stopped's)
+STARTUP_FAILED = 1  # the parent's exit status when a worker could not start
+# A worker's exit status when it never served: serve_until_stopped's 1, the CLI's 2 (bad key file), uvicorn's 3
+# (the lifespan failed: store unreachable, …). Respawning would fail the same way.
+_NEVER_SERVED = frozenset({1, 2, 3})
 RESPAWN_PAUSE = 1.0  # between a worker's death and its replacement: a crash loop must not spin
 
 
@@ -101,7 +104,7 @@ class _Supervisor:
         self.children: dict[int, int] = {}  # pid -> worker index
         self.stopping = False
         self.failed = False
-        self.signals = 0
+        self.port = settings.port
 
     def run(self) -> int:
         folder = tempfile.mkdtemp(prefix="responses-gateway-workers-")  # 0700
@@ -117,9 +120,19 @@ class _Supervisor:
                 print(f"responses-gateway: cannot listen on {self.settings.host}:{self.settings.port}: {exc}",
                       file=sys.stderr)
                 return STARTUP_FAILED
-            log.info("workers_starting", workers=self.count, port=self.settings.port)
+            self.port = first.getsockname()[1]  # the port chosen, when --port 0 asked the kernel for one
+            log.info("workers_starting", workers=self.count, port=self.port)
             for index in range(self.count):
-                sock = first if index == 0 else _listener(self.settings.host, self.settings.port)
+                if self.stopping:  # signalled while starting: the ones started got it, the rest never start
+                    first.close()
+                    break
+                try:
+                    sock = first if index == 0 else _listener(self.settings.host, self.port)
+                except OSError as exc:
+                    log.error("worker_listen_failed", worker=index, error=str(exc))
+                    self.failed = True
+                    self._on_signal(signal.SIGTERM, None)
+                    break
                 self._spawn(index, sock, metrics_dir, tally)
             self._wait(metrics_dir, tally)
         finally:
@@ -152,19 +165,20 @@ class _Supervisor:
                 _metrics_value_class()
                 tally.attach(index)
                 code = self.serve(WorkerContext(index, self.count, metrics_dir, tally), sock)
+            except SystemExit as exc:  # uvicorn exits 3 when the lifespan fails
+                code = exc.code if isinstance(exc.code, int) else 70
             except BaseException:
                 traceback.print_exc()
             finally:
                 sys.stdout.flush()
                 sys.stderr.flush()
                 os._exit(code)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, handled)
         sock.close()  # the worker's own now: a copy kept here would keep accepting connections nobody serves
         self.children[pid] = index
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, handled)  # a pending signal runs now, reaching this one too
         log.info("worker_started", worker=index, worker_pid=pid)
 
     def _on_signal(self, sig: int, frame: FrameType | None) -> None:
-        self.signals += 1
         self.stopping = True
         for pid in list(self.children):
             with contextlib.suppress(ProcessLookupError):
@@ -188,7 +202,7 @@ class _Supervisor:
                 if code != 0:
                     log.warning("worker_exited", worker=index, worker_pid=pid, status=code)
                 continue
-            if code == STARTUP_FAILED:
+            if code in _NEVER_SERVED:
                 log.error("worker_failed_to_start", worker=index, worker_pid=pid)
                 self.failed = True
                 self._on_signal(signal.SIGTERM, None)
@@ -198,7 +212,7 @@ class _Supervisor:
             if self.stopping:
                 continue
             try:
-                sock = _listener(self.settings.host, self.settings.port)
+                sock = _listener(self.settings.host, self.port)
             except OSError as exc:
                 log.error("worker_respawn_failed", worker=index, error=str(exc))
                 continue
