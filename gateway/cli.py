@@ -8,6 +8,7 @@ import os
 import socket
 import sys
 import tempfile
+from typing import Any
 
 import structlog
 
@@ -109,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "demo":
         folder = tempfile.mkdtemp(prefix="responses-gateway-demo-")
-        overrides = {}
+        overrides: dict[str, Any] = {}
         if not os.environ.get("GATEWAY_TOOL_CHOICE_ENFORCEMENT"):
             # The recordings are vLLM /v1/responses answers; constrained generation would ask /v1/chat/completions
             # for answers that were never recorded.

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -123,7 +124,7 @@ def bounded(value: str, known: frozenset[str]) -> str:
 
 # How each gauge's per-worker values combine under --workers N (prometheus-client's multiprocess_mode):
 # live ones only, summed; the readiness probe's latest answer, whichever worker ran it.
-_GAUGE_MODES = {
+_GAUGE_MODES: dict[str, Literal["livesum", "livemostrecent"]] = {
     PREFIX + "active_streams": "livesum",
     PREFIX + "websocket_connections": "livesum",
     PREFIX + "upstream_ready": "livemostrecent",
