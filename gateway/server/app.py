@@ -8,7 +8,7 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import structlog
@@ -56,9 +56,11 @@ from gateway.server.responses_http import create_response as create_http_respons
 from gateway.server.shutdown import Drain
 from gateway.server.tool_loop import LazyMcpHub, McpHub
 from gateway.server.websocket import ResponsesSocket
-from gateway.server.workers import WorkerContext
 from gateway.store import ResponseStore, open_store, run_sweeper
 from gateway.upstream.client import PROXY_DROP_RESPONSE, UpstreamClient
+
+if TYPE_CHECKING:
+    from gateway.server.workers import WorkerContext
 
 log = structlog.get_logger("gateway.app")
 
