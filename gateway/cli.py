@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import sys
 import tempfile
 from typing import Any
@@ -49,23 +50,32 @@ def startup_warnings(settings: Settings) -> list[tuple[str, str]]:
 
 
 def run(settings: Settings, *, demo: bool = False) -> int:
-    import uvicorn
-
-    from gateway.server import create_app
     from gateway.server.observe import configure_logging
-    from gateway.server.shutdown import serve_until_stopped
 
     configure_logging(settings.log_level)
     log = structlog.get_logger("gateway.cli")
     for event, message in startup_warnings(settings):
         log.warning(event, message=message)
+    if settings.workers > 1 and not demo:
+        return _run_workers(settings)
     transport = None
     if demo:
         from gateway.demo import demo_transport
 
         transport = demo_transport()
+    return _serve(settings, transport=transport)
+
+
+def _serve(settings: Settings, *, transport: object = None, worker: object = None,
+           sockets: list[socket.socket] | None = None) -> int:
+    """Build the app and serve it until SIGTERM/SIGINT and a drained shutdown: this process's exit status."""
+    import uvicorn
+
+    from gateway.server import create_app
+    from gateway.server.shutdown import serve_until_stopped
+
     try:
-        app = create_app(settings, transport=transport)
+        app = create_app(settings, transport=transport, worker=worker)  # type: ignore[arg-type]
     except (OSError, ValueError) as exc:  # a key file missing or empty: a clear line, not a traceback
         print(f"responses-gateway: {exc}", file=sys.stderr)
         return 2
@@ -74,7 +84,26 @@ def run(settings: Settings, *, demo: bool = False) -> int:
     # ws="websockets-sansio": WebSocket mode on /v1/responses; its frames may be as large as a request body.
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, access_log=False,
                             lifespan="on", ws="websockets-sansio", ws_max_size=settings.max_body_bytes + 65536)
-    return serve_until_stopped(config, app.state.drain, settings)
+    return serve_until_stopped(config, app.state.drain, settings, sockets=sockets)
+
+
+def _run_workers(settings: Settings) -> int:
+    from gateway.server.keys import new_key
+    from gateway.server.workers import WorkerContext, supervise
+
+    if not settings.reasoning_key and settings.store.strip().lower() == "none":
+        # Nothing keeps a key across starts: one for this start, the same in every worker (gateway.server.keys).
+        structlog.get_logger("gateway.cli").warning(
+            "reasoning_key_per_start", message="No --reasoning-key and --store none: reasoning encrypted_content "
+            "and MCP approval ids do not survive a restart nor open on another replica. Set GATEWAY_REASONING_KEY.")
+        settings = settings.with_overrides(reasoning_key=new_key())
+
+    import gateway.server.app  # noqa: F401  # imported once here, shared by the forked workers (copy-on-write)
+
+    def serve(context: WorkerContext, sock: socket.socket) -> int:
+        return _serve(settings, worker=context, sockets=[sock])
+
+    return supervise(settings, settings.workers, serve)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -86,7 +86,7 @@ OPTIONS: tuple[Option, ...] = (
            "Response store: sqlite:///file.db, postgresql://user@host:port/db or none."),
     Option("store_ttl", "--store-ttl", "GATEWAY_STORE_TTL", float, "Seconds to keep stored responses; 0 keeps them."),
     Option("max_background_responses", "--max-background-responses", "GATEWAY_MAX_BACKGROUND_RESPONSES", int,
-           "Background responses (background: true) running at once on this replica before 429."),
+           "Background responses (background: true) running at once on this replica (all its workers) before 429."),
     Option("log_level", "--log-level", "GATEWAY_LOG_LEVEL", str, "Log level.",
            choices=("debug", "info", "warning", "error")),
     Option("mcp_allowed_hosts", "--mcp-allowed-hosts", "GATEWAY_MCP_ALLOWED_HOSTS", _csv,
@@ -101,8 +101,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("websocket_idle_timeout", "--websocket-idle-timeout", "GATEWAY_WEBSOCKET_IDLE_TIMEOUT", float,
            "Seconds a WebSocket connection may sit without a message before it is closed (pinged meanwhile)."),
     Option("reasoning_key", "--reasoning-key", "GATEWAY_REASONING_KEY", str,
-           "Base64 AES-256 keys (comma-separated; the first seals) for reasoning encrypted_content; unset: a "
-           "random key per process.", secret=True),
+           "Base64 AES-256 keys (comma-separated; the first seals) for reasoning encrypted_content and MCP "
+           "approval ids; unset: a key kept with the store (a 0600 file beside the SQLite database, a row in "
+           "PostgreSQL), or one per start with --store none.", secret=True),
     Option("max_websocket_connections", "--max-websocket-connections", "GATEWAY_MAX_WEBSOCKET_CONNECTIONS", int,
            "Open WebSocket connections on /v1/responses before the handshake is answered 503."),
     Option("body_read_timeout", "--body-read-timeout", "GATEWAY_BODY_READ_TIMEOUT", float,
@@ -125,6 +126,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("sqlite_synchronous", "--sqlite-synchronous", "GATEWAY_SQLITE_SYNCHRONOUS", str,
            "SQLite's synchronous pragma: full (a commit survives power loss) or normal (faster; the last commits "
            "can be lost on power loss).", choices=("full", "normal")),
+    Option("workers", "--workers", "GATEWAY_WORKERS", int,
+           "Processes serving the port (SO_REUSEPORT); metrics, limits, background runs and the reasoning key are "
+           "shared by all of them."),
 )
 
 
@@ -165,6 +169,7 @@ class Settings:
     allowed_origins: tuple[str, ...] = ()
     proxy_paths: tuple[str, ...] = DEFAULT_PROXY_PATHS
     sqlite_synchronous: Literal["full", "normal"] = "full"
+    workers: int = 1
 
     def all_api_keys(self) -> tuple[str, ...]:
         keys = list(self.api_keys)
@@ -235,6 +240,8 @@ def load_settings(args: argparse.Namespace | None = None, env: Mapping[str, str]
             raise SystemExit(f"{opt.flag} / {opt.env} must be one of {', '.join(opt.choices)}, not {raw!r}")
         values[opt.name] = value
     values.update(overrides)
+    if values.get("workers", 1) < 1:
+        raise SystemExit("--workers / GATEWAY_WORKERS must be at least 1")
     return Settings(**values)
 
 

@@ -64,8 +64,10 @@ def test_subprocess_logs_are_json_lines_without_prompts_tool_inputs_or_keys() ->
     assert first["tool_calls"] == {"custom": 0, "function": 0}
     assert access["rid-3"]["status"] == 401 and access["rid-3"]["error_code"] == "invalid_api_key"
     sizes = [line for line in lines if line["event"] == "payload_sizes"]
-    assert sizes and all(set(line) <= {"event", "level", "timestamp", "request_id", "request_bytes",
+    assert sizes and all(set(line) <= {"event", "level", "timestamp", "pid", "request_id", "request_bytes",
                                        "response_bytes"} for line in sizes)
+    # Every line says which process wrote it (--workers N: which worker), uvicorn's own lines included.
+    assert {line.get("pid") for line in lines} == {proc.pid}
     assert len([line for line in lines if line["event"] == "request"]) == 4
 
 

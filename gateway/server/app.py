@@ -8,7 +8,7 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import structlog
@@ -46,6 +46,7 @@ from gateway.server.http import (
     error_response,
     list_query,
 )
+from gateway.server.keys import with_reasoning_key
 from gateway.server.limits import ConcurrencyLimiter, Slot, limited_stream
 from gateway.server.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
 from gateway.server.observe import Observer, ensure_logging
@@ -57,6 +58,9 @@ from gateway.server.tool_loop import LazyMcpHub, McpHub
 from gateway.server.websocket import ResponsesSocket
 from gateway.store import ResponseStore, open_store, run_sweeper
 from gateway.upstream.client import PROXY_DROP_RESPONSE, UpstreamClient
+
+if TYPE_CHECKING:
+    from gateway.server.workers import WorkerContext
 
 log = structlog.get_logger("gateway.app")
 
@@ -126,12 +130,13 @@ def _rejection(exc: GatewayError) -> str | None:
 
 def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None = None,
                store: ResponseStore | str | None = "from-settings", observer: Observer | None = None,
-               mcp: McpHub | None = None) -> Starlette:
+               mcp: McpHub | None = None, worker: WorkerContext | None = None) -> Starlette:
     """Build the gateway. ``transport`` replaces the network to the upstream (tests, the demo);
-    ``store`` overrides ``settings.store`` with an already built store (or None)."""
+    ``store`` overrides ``settings.store`` with an already built store (or None); ``worker``: this process is one
+    of ``--workers N`` (limits and metrics shared with the others, gateway.server.workers)."""
     ensure_logging(settings.log_level)
     observer = observer or Observer()
-    metrics = GatewayMetrics()
+    metrics = GatewayMetrics(multiprocess_dir=worker.metrics_dir if worker is not None else None)
     observer.listeners.append(metrics.observe)
     drain = Drain()
     drain.on_abort.append(metrics.aborted_on_shutdown.inc)
@@ -144,8 +149,9 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
     if auth.enabled and not settings.owner_secret and settings.store != "none":
         log.warning("owner_secret_derived", message="GATEWAY_OWNER_SECRET is unset: stored objects are owned through "
                     "a hash keyed by the key set, so adding or removing a key hides what was stored before. Set it.")
-    limiter = ConcurrencyLimiter(settings.max_concurrency)
-    metrics.in_flight.set_function(lambda: limiter.active)
+    # One tally for every cap (requests, WebSocket connections, background runs): under --workers N, the gateway's.
+    limiter = ConcurrencyLimiter(settings.max_concurrency, worker.tally if worker is not None else None)
+    metrics.track_in_flight(lambda: limiter.active)
     services: dict[str, Any] = {}
 
     async def admit(request: Request) -> tuple[Request, Slot]:
@@ -308,10 +314,13 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
             # Per key only under API keys: without them every client is the one owner (None).
             runs = BackgroundRuns(st, limit=settings.max_background_responses, drain=drain,
                                   drain_timeout=settings.drain_timeout,
-                                  per_owner=settings.background_per_key() if auth.enabled else 0)
+                                  per_owner=settings.background_per_key() if auth.enabled else 0,
+                                  tally=limiter.tally)
             await runs.start()
+        # The key that seals reasoning and signs approval ids: the same in every worker and replica (keys.py).
+        keyed = await with_reasoning_key(settings, st)
         services.update(upstream=upstream, store=st, background=runs,
-                        responses=ResponsesHandler(settings=settings, upstream=upstream, store=st, drain=drain,
+                        responses=ResponsesHandler(settings=keyed, upstream=upstream, store=st, drain=drain,
                                                    mcp=hub, background=runs))
         app.state.services = services
         try:

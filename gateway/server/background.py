@@ -49,6 +49,7 @@ import structlog
 from gateway.errors import GatewayError, InvalidRequest, RateLimited, ServiceUnavailable
 from gateway.protocol.sse import SseParser
 from gateway.runtime import new_id
+from gateway.server.limits import BACKGROUND, Tally
 from gateway.server.record import RequestRecord
 from gateway.server.responses import Answered, Outcome, Streamed, public_input_items
 from gateway.server.shutdown import ABORT_GRACE, Drain
@@ -162,10 +163,12 @@ class BackgroundRuns:
     """The background runs of this process, and the followers of any replica's."""
 
     def __init__(self, store: ResponseStore, *, limit: int = 64, drain: Drain | None = None,
-                 drain_timeout: float = 0.0, per_owner: int = 0) -> None:
+                 drain_timeout: float = 0.0, per_owner: int = 0, tally: Tally | None = None) -> None:
         self.store = store
         self.limit = limit
         self.per_owner = per_owner  # runs one owner (API key) may have at once here; 0: no per-owner bound
+        # Runs counted for the caps: this process's, or every worker's under --workers N (gateway.server.limits).
+        self.tally = tally if tally is not None else Tally()
         self.drain = drain
         self.drain_timeout = drain_timeout
         self.lease_owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
@@ -225,21 +228,22 @@ class BackgroundRuns:
         if self._closing:
             raise ServiceUnavailable("The gateway is shutting down; retry on another instance.",
                                      code="gateway_shutting_down")
-        if len(self.runs) >= self.limit:
-            raise RateLimited(f"This gateway is running its maximum of {self.limit} background responses; "
-                              "retry shortly.", headers={"retry-after": "1"})
-        if owner is not None and self.per_owner > 0 and \
-                sum(1 for r in self.runs.values() if r.owner == owner) >= self.per_owner:
-            # One key must not take every slot of the replica from the others.
-            raise BackgroundPerKeyLimit(f"This API key is running its maximum of {self.per_owner} background "
-                                        "responses on this gateway; retry shortly.", headers={"retry-after": "1"})
         identity = RunIdentity(new_id("resp"), int(time.time()))
         ctx = resolve_tool_context(body)  # a malformed tool is a 400 here, not a failed run
         state = build_request_state(body, ctx, response_id=identity.response_id, created_at=identity.created_at)
         queued = restore_response(None, state, output=[], status="queued")
         queued["usage"] = None
+        # The slot is taken before the first await; given back where the run leaves self.runs (_forget).
+        refused = self.tally.take(BACKGROUND, self.limit, owner if self.per_owner > 0 else None, self.per_owner)
+        if refused == "total":
+            raise RateLimited(f"This gateway is running its maximum of {self.limit} background responses; "
+                              "retry shortly.", headers={"retry-after": "1"})
+        if refused == "owner":
+            # One key must not take every slot of the replica from the others.
+            raise BackgroundPerKeyLimit(f"This API key is running its maximum of {self.per_owner} background "
+                                        "responses on this gateway; retry shortly.", headers={"retry-after": "1"})
         run = _Run(identity, owner, queued)
-        self.runs[identity.response_id] = run  # the slot is taken before the first await
+        self.runs[identity.response_id] = run
         stored = StoredResponse(id=identity.response_id, created_at=identity.created_at,
                                 previous_response_id=body.get("previous_response_id"), status="queued",
                                 response=queued, input_items=public_input_items(body),
@@ -258,9 +262,14 @@ class BackgroundRuns:
         try:
             await self.store.create_background(stored, self.lease_owner, time.time() + LEASE_SECONDS)
         except BaseException:
-            self.runs.pop(stored.id, None)
+            self._forget(stored.id)
             raise
         run.task = asyncio.create_task(self._run(run, handler, dict(body), dict(headers), record))
+
+    def _forget(self, response_id: str) -> None:
+        run = self.runs.pop(response_id, None)
+        if run is not None:
+            self.tally.give(BACKGROUND, run.owner if self.per_owner > 0 else None)
 
     # ------------------------------------------------------------------ the run
 
@@ -314,7 +323,7 @@ class BackgroundRuns:
                 await _aclose(frames)
             flusher.cancel()
             run.done = True
-            self.runs.pop(rid, None)
+            self._forget(rid)
             run.publish(None)
             self._wake(rid)
             log.info("background_ended", response_id=rid, status=run.snapshot.get("status"),

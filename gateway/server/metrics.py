@@ -1,15 +1,25 @@
 """Prometheus metrics, one registry per app (several apps in one test process must not collide).
 
+Under ``--workers N`` each worker writes its values to files in the directory the parent created
+(prometheus-client's multiprocess mode, ``PROMETHEUS_MULTIPROC_DIR``) and ``/metrics``, whichever worker answers
+it, sums them: counters and histograms over every worker that ever ran, gauges over the live ones (the parent
+removes a dead worker's gauge files). ``in_flight_requests`` is read from the shared limiter's count at scrape
+time (gateway.server.limits), as it is from the process's own limiter with one worker.
+
 ``METRICS`` is the single list of what is exported: the README table is generated from it and the
 collectors below are built from it, so the two cannot drift apart.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
 
 from gateway.server.record import RequestRecord
 
@@ -112,16 +122,45 @@ def bounded(value: str, known: frozenset[str]) -> str:
     return value if value in known else OTHER
 
 
+# How each gauge's per-worker values combine under --workers N (prometheus-client's multiprocess_mode):
+# live ones only, summed; the readiness probe's latest answer, whichever worker ran it.
+_GAUGE_MODES: dict[str, Literal["livesum", "livemostrecent"]] = {
+    PREFIX + "active_streams": "livesum",
+    PREFIX + "websocket_connections": "livesum",
+    PREFIX + "upstream_ready": "livemostrecent",
+}
+_IN_FLIGHT = PREFIX + "in_flight_requests"
+
+
+class _InFlight(Collector):
+    """``in_flight_requests`` under --workers N: the shared limiter's count (a callback gauge cannot live in the
+    multiprocess files)."""
+
+    def __init__(self, help_text: str, read: Callable[[], float]) -> None:
+        self.help = help_text
+        self.read = read
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(_IN_FLIGHT, self.help, value=float(self.read()))
+
+
 class GatewayMetrics:
-    def __init__(self) -> None:
+    def __init__(self, multiprocess_dir: str | None = None) -> None:
+        """``multiprocess_dir``: the workers' shared directory (the process must have been started with
+        ``PROMETHEUS_MULTIPROC_DIR`` naming it); None: this process's values only."""
+        self.multiprocess_dir = multiprocess_dir
         self.registry = CollectorRegistry(auto_describe=True)
+        self._in_flight_read: Callable[[], float] = lambda: 0.0
         built: dict[str, Counter | Gauge | Histogram] = {}
         for spec in METRICS:
             short = spec.name.removeprefix(PREFIX)
             if spec.kind == "counter":
                 built[short] = Counter(spec.name, spec.help, spec.labels, registry=self.registry)
+            elif spec.kind == "gauge" and multiprocess_dir is not None and spec.name == _IN_FLIGHT:
+                continue  # not a file-backed gauge: read from the shared count at scrape time (render)
             elif spec.kind == "gauge":
-                built[short] = Gauge(spec.name, spec.help, spec.labels, registry=self.registry)
+                built[short] = Gauge(spec.name, spec.help, spec.labels, registry=self.registry,
+                                     multiprocess_mode=_GAUGE_MODES.get(spec.name, "livesum"))
             else:
                 built[short] = Histogram(spec.name, spec.help, spec.labels, registry=self.registry,
                                          buckets=_BUCKETS[spec.name])
@@ -130,7 +169,7 @@ class GatewayMetrics:
         self.duration: Histogram = built["request_duration_seconds"]  # type: ignore[assignment]
         self.ttfb: Histogram = built["time_to_first_byte_seconds"]  # type: ignore[assignment]
         self.active_streams: Gauge = built["active_streams"]  # type: ignore[assignment]
-        self.in_flight: Gauge = built["in_flight_requests"]  # type: ignore[assignment]
+        self.in_flight: Gauge | None = built.get("in_flight_requests")  # type: ignore[assignment]
         self.rejected: Counter = built["rejected_requests"]  # type: ignore[assignment]
         self.upstream_errors: Counter = built["upstream_errors"]  # type: ignore[assignment]
         self.tool_calls: Counter = built["tool_calls"]  # type: ignore[assignment]
@@ -150,8 +189,23 @@ class GatewayMetrics:
         """One request refused before its handler ran (``rejected_requests_total{reason}``)."""
         self.rejected.labels(bounded(reason, _REJECTIONS)).inc()
 
+    def track_in_flight(self, read: Callable[[], float]) -> None:
+        """``in_flight_requests`` reads ``read()`` (the limiter's count) at each scrape."""
+        self._in_flight_read = read
+        if self.in_flight is not None:
+            self.in_flight.set_function(read)
+
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if self.multiprocess_dir is None:
+            return generate_latest(self.registry)
+        from prometheus_client.multiprocess import MultiProcessCollector
+
+        # A registry per scrape, as prometheus-client prescribes: the collector reads every worker's files.
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry, path=self.multiprocess_dir)
+        help_text = next(spec.help for spec in METRICS if spec.name == _IN_FLIGHT)
+        registry.register(_InFlight(help_text, self._in_flight_read))
+        return generate_latest(registry)
 
     def observe(self, record: RequestRecord) -> None:
         """Called once per finished request (after a stream's last byte)."""

@@ -8,8 +8,9 @@ the log by accident.
 from __future__ import annotations
 
 import logging
+import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from typing import Any
 
 import orjson
@@ -27,15 +28,33 @@ def _dumps(event: Any, **kw: Any) -> str:
     return orjson.dumps(event, default=kw.get("default") or str, option=orjson.OPT_NON_STR_KEYS).decode()
 
 
+_pid = os.getpid()
+
+
+def _after_fork() -> None:
+    global _pid
+    _pid = os.getpid()
+
+
+os.register_at_fork(after_in_child=_after_fork)
+
+
+def _add_pid(logger: Any, method: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    """Every line says which process wrote it (``--workers N``: which worker); cached, refreshed on fork."""
+    event["pid"] = _pid
+    return event
+
+
 def configure_logging(level: str = "info") -> None:
     """JSON lines on stderr for structlog *and* the standard library (uvicorn, httpx), so a log collector
-    sees one format."""
+    sees one format; each carries the writing process's ``pid``."""
     global _configured_by_us
     lvl = getattr(logging, level.upper(), logging.INFO)
     shared: list[structlog.types.Processor] = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
+        _add_pid,
     ]
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(structlog.stdlib.ProcessorFormatter(

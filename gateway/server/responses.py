@@ -118,7 +118,7 @@ class ResponsesHandler:
     drain: Drain | None = None
     # Remote MCP servers the gateway runs tools on (gateway.mcp); None: mcp tools are refused.
     mcp: McpHub | None = None
-    # Seals reasoning as encrypted_content (gateway.translate.sealing); built on first use from --reasoning-key.
+    # Seals reasoning as encrypted_content (gateway.translate.sealing); built on first use from the resolved key.
     sealer: ReasoningSealer | None = None
     # Background mode (gateway.server.background); None (no store): background=true is refused.
     background: BackgroundRuns | None = None
@@ -375,13 +375,10 @@ class ResponsesHandler:
 
     def reasoning_sealer(self) -> ReasoningSealer:
         if self.sealer is None:
-            if self.settings.reasoning_key:
-                self.sealer = ReasoningSealer(parse_keys(self.settings.reasoning_key), random_bytes=random_bytes)
-            else:
-                log.warning("reasoning_key_random", message="No --reasoning-key: reasoning encrypted_content is "
-                            "sealed with a random per-process key, so it does not open after a restart or on "
-                            "another replica. Set GATEWAY_REASONING_KEY.")
-                self.sealer = ReasoningSealer([random_bytes(32)], random_bytes=random_bytes)
+            # Resolved by the app's lifespan (gateway.server.keys): --reasoning-key or the store's own key.
+            if not self.settings.reasoning_key:
+                raise RuntimeError("ResponsesHandler needs settings.reasoning_key (gateway.server.keys)")
+            self.sealer = ReasoningSealer(parse_keys(self.settings.reasoning_key), random_bytes=random_bytes)
         return self.sealer
 
     async def _no_generation(self, state: RequestState, record: RequestRecord, persist: Persist | None) -> Outcome:

@@ -18,6 +18,9 @@ reads are aborted with the streams' in step 4, so they end ``response.failed``),
 going and marks them failed (``gateway_stopped``) in the store before it closes.
 
 A second signal forces an immediate exit (operators pressing Ctrl-C twice).
+
+Under ``--workers N`` the parent forwards the signal to every worker (gateway.server.workers); each drains as
+above, and the parent exits 0 once all of them did.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import socket
 import threading
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Generator
@@ -164,11 +168,13 @@ class DrainingServer(uvicorn.Server):
         self.drain.abort()
 
 
-def serve_until_stopped(config: uvicorn.Config, drain: Drain, settings: Settings) -> int:
-    """Run until SIGTERM/SIGINT and a drained shutdown; the exit status for the process."""
+def serve_until_stopped(config: uvicorn.Config, drain: Drain, settings: Settings,
+                        sockets: list[socket.socket] | None = None) -> int:
+    """Run until SIGTERM/SIGINT and a drained shutdown; the exit status for the process. ``sockets``: listening
+    sockets made by the caller (a worker of ``--workers N``: gateway.server.workers), else uvicorn binds."""
     config.timeout_graceful_shutdown = max(0.0, settings.drain_timeout) + ABORT_GRACE  # type: ignore[assignment]
     server = DrainingServer(config, drain, max(0.0, settings.drain_timeout))
-    server.run()
+    server.run(sockets=sockets)
     if server.started:
         log.info("stopped")
         return 0

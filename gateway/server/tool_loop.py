@@ -132,14 +132,16 @@ _SIGNERS_LOCK = threading.Lock()
 
 
 def approval_signer(reasoning_key: str | None) -> ApprovalSigner:
-    """The process's signer for ``--reasoning-key`` (a random per-process key when unset, as for sealing)."""
+    """The process's signer for the resolved reasoning key (gateway.server.keys: --reasoning-key or the store's)."""
     from gateway.translate.sealing import parse_keys
 
+    if not reasoning_key:
+        raise RuntimeError("approval ids need a resolved reasoning key (gateway.server.keys)")
     with _SIGNERS_LOCK:
-        signer = _SIGNERS.get(reasoning_key or "")
+        signer = _SIGNERS.get(reasoning_key)
         if signer is None:
-            keys = parse_keys(reasoning_key) if reasoning_key else [os.urandom(32)]
-            signer = _SIGNERS[reasoning_key or ""] = ApprovalSigner(keys, random_bytes=os.urandom, clock=time.time)
+            signer = _SIGNERS[reasoning_key] = ApprovalSigner(parse_keys(reasoning_key), random_bytes=os.urandom,
+                                                              clock=time.time)
         return signer
 
 

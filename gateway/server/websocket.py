@@ -33,7 +33,7 @@ from gateway.errors import GatewayError, InvalidRequest, RateLimited, ServiceUna
 from gateway.protocol.request import parse_request_body
 from gateway.server.auth import request_owner, unauthorized, verdict
 from gateway.server.http import OrjsonResponse
-from gateway.server.limits import ConcurrencyLimiter, Slot
+from gateway.server.limits import WEBSOCKETS, ConcurrencyLimiter, Slot
 from gateway.server.record import RequestRecord
 from gateway.server.responses import Answered, ResponsesHandler, Turn
 
@@ -119,7 +119,13 @@ class ResponsesSocket:
         self.auth_enabled = auth_enabled
         # The HTTP path's --max-concurrency slots: a response.create takes one for the response's life.
         self.limiter = limiter or ConcurrencyLimiter(settings.max_concurrency)
-        self.open = 0  # connections accepted (or being accepted) and not yet closed
+        # Connections accepted (or being accepted) and not yet closed, counted with the limiter's tally: under
+        # --workers N the cap is the gateway's.
+        self.tally = self.limiter.tally
+
+    @property
+    def open(self) -> int:
+        return self.tally.total(WEBSOCKETS)
 
     async def __call__(self, ws: WebSocket) -> None:
         if self.auth_enabled:
@@ -136,7 +142,9 @@ class ResponsesSocket:
             await ws.close(code=CLOSE_GOING_AWAY)
             return
         cap = self.settings.max_websocket_connections
-        if cap > 0 and self.open >= cap:  # 503 before upgrading: an open socket costs memory and a task set
+        # Counted before the first await, so concurrent handshakes cannot overshoot the cap.
+        if self.tally.take(WEBSOCKETS, cap if cap > 0 else None) is not None:
+            # 503 before upgrading: an open socket costs memory and a task set
             self.metrics.reject("websocket_connections")
             exc = ServiceUnavailable(f"The gateway holds its maximum of {cap} WebSocket connections; retry "
                                      "shortly or use HTTP.", code="too_many_websocket_connections",
@@ -146,7 +154,6 @@ class ResponsesSocket:
                 return
             await ws.close(code=CLOSE_TRY_AGAIN_LATER)
             return
-        self.open += 1  # counted before the first await, so concurrent handshakes cannot overshoot the cap
         try:
             await ws.accept()
             self.metrics.websocket_connections.inc()
@@ -155,7 +162,7 @@ class ResponsesSocket:
             finally:
                 self.metrics.websocket_connections.dec()
         finally:
-            self.open -= 1
+            self.tally.give(WEBSOCKETS)
 
 
 class _Connection:

@@ -209,6 +209,12 @@ class ResponseStore(ABC):
     async def expired_leases(self, now: float, limit: int = 100) -> list[str]:
         """Ids of background responses still queued or in_progress whose lease expired before ``now``."""
 
+    async def key_material(self) -> bytes:
+        """The gateway's own 32-byte key (``--reasoning-key`` unset): made by the first gateway that asks, then
+        kept with the store, so every worker, every restart and every replica sharing the store has the same one.
+        NotImplementedError where a store keeps none."""
+        raise NotImplementedError
+
     def add_event_listener(self, listener: EventListener) -> None:
         """Call ``listener(response_id, what)`` on each notification (see EventListener), on the event loop."""
         self.__dict__.setdefault("_event_listeners", []).append(listener)

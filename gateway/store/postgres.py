@@ -8,6 +8,7 @@ none is lost and each batch stays contiguous in commit order. Deletes take that 
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import time
 from typing import Any, TypeAlias
@@ -122,6 +123,15 @@ MIGRATIONS: list[tuple[str, ...]] = [
                   jsonb_array_elements(r.response->'output') e
            WHERE jsonb_typeof(r.response->'output') = 'array' AND jsonb_typeof(e) = 'object' AND e ? 'id'
            ORDER BY r.created_at DESC ON CONFLICT DO NOTHING""",
+    ),
+    (
+        # The gateway's own key (reasoning sealing, approval ids) when --reasoning-key is unset: one row, shared
+        # by every replica of the store.
+        """CREATE TABLE IF NOT EXISTS {s}.gateway_keys (
+            name TEXT PRIMARY KEY,
+            material BYTEA NOT NULL,
+            created_at BIGINT NOT NULL
+        )""",
     ),
 ]
 
@@ -504,6 +514,16 @@ class PostgresResponseStore(ResponseStore):
 
     async def expired_leases(self, now: float, limit: int = 100) -> list[str]:
         return [row["id"] for row in await self.pool.fetch(self._expired_sql, _ms(now), limit)]
+
+    async def key_material(self) -> bytes:
+        table = f'"{self.schema}".gateway_keys'
+        # The first replica's insert wins; the others (and every later start) read what it wrote.
+        await self.pool.execute(f"INSERT INTO {table} (name, material, created_at) VALUES ('reasoning', $1, $2) "
+                                "ON CONFLICT (name) DO NOTHING", os.urandom(32), int(time.time()))
+        material = await self.pool.fetchval(f"SELECT material FROM {table} WHERE name = 'reasoning'")
+        if not isinstance(material, bytes) or len(material) != 32:
+            raise StoreError(f"{table} holds no valid 32-byte 'reasoning' key")
+        return material
 
     async def listen(self) -> None:
         conn = self._listen_conn

@@ -9,6 +9,7 @@ never read the same next position. Commits are durable (``synchronous=FULL``) un
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import logging
 import os
@@ -273,6 +274,41 @@ def _private(path: Path) -> None:
         logging.getLogger(__name__).warning("could not make %s private (0600): not its owner", path)
 
 
+def _key_file(path: Path) -> bytes:
+    """The 32-byte key in ``path`` (base64, one line), made first if missing. Processes starting at once agree:
+    each writes a private temporary file and links it into place; the first link wins, the others read it."""
+    if not path.exists():
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.{base64.b16encode(os.urandom(4)).decode()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, base64.b64encode(os.urandom(32)) + b"\n")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            pass
+        finally:
+            os.unlink(tmp)
+        with contextlib.suppress(OSError):  # the link survives a crash (not possible everywhere: best effort)
+            dir_fd = os.open(path.parent, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+    if path.stat().st_mode & 0o077:
+        _private(path)
+    try:
+        key = base64.b64decode(path.read_bytes().strip(), validate=True)
+    except ValueError as exc:
+        raise StoreError(f"{path} does not hold a base64 key") from exc
+    if len(key) != 32:
+        raise StoreError(f"{path} does not hold a 32-byte key")
+    return key
+
+
 def _insert_items(db: sqlite3.Connection, conversation_id: str, start: int, items: list[dict[str, Any]]) -> None:
     db.executemany(
         "INSERT INTO conversation_items (conversation_id, item_id, position, item) VALUES (?, ?, ?, ?) "
@@ -359,6 +395,14 @@ class SqliteResponseStore(ResponseStore):
         except BaseException:
             db.execute("ROLLBACK")
             raise
+
+    @property
+    def key_path(self) -> Path:
+        """Where the gateway's own key is kept: a 0600 file beside the database."""
+        return Path(f"{self.path}.key")
+
+    async def key_material(self) -> bytes:
+        return await asyncio.to_thread(_key_file, self.key_path)
 
     async def close(self) -> None:
         def close_sync() -> None:
