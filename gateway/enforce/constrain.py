@@ -22,6 +22,7 @@ from typing import Any
 
 import orjson
 
+from gateway.protocol.events import UpstreamEvent
 from gateway.protocol.ids import new_id
 from gateway.translate.chat import add_usage, chat_usage
 from gateway.translate.tool_context import ToolInfo
@@ -191,23 +192,23 @@ class InputContinuation:
     def text(self) -> str:
         return "".join(self.content)
 
-    def _ev(self, etype: str, payload: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    def _ev(self, etype: str, payload: dict[str, Any]) -> UpstreamEvent:
         """An event as the translator takes it, already parsed (never serialized only to be parsed again)."""
         payload["type"] = etype
         payload["sequence_number"] = -1  # the translator numbers what it emits
-        return etype, payload
+        return UpstreamEvent(etype, "", payload)
 
-    def _delta(self, piece: str) -> tuple[str, dict[str, Any]]:
+    def _delta(self, piece: str) -> UpstreamEvent:
         self._args.append(piece)
         return self._ev("response.function_call_arguments.delta", {
             "delta": piece, "item_id": self.item.get("id"), "output_index": self.output_index})
 
-    def start(self) -> list[tuple[str, dict[str, Any]]]:
+    def start(self) -> list[UpstreamEvent]:
         """The argument prefix: no input yet, so the client sees nothing from it."""
         return [self._ev("response.function_call_arguments.delta", {
             "delta": self._args[0], "item_id": self.item.get("id"), "output_index": self.output_index})]
 
-    def feed(self, chunk: Mapping[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    def feed(self, chunk: Mapping[str, Any]) -> list[UpstreamEvent]:
         if self.finished:
             return []
         err = chunk.get("error")
@@ -219,7 +220,7 @@ class InputContinuation:
         usage = chat_usage(chunk.get("usage"))
         if usage is not None:
             self.usage = usage
-        out: list[tuple[str, dict[str, Any]]] = []
+        out: list[UpstreamEvent] = []
         for choice in chunk.get("choices") or ():
             if not isinstance(choice, dict) or choice.get("index", 0) != 0:
                 continue
@@ -233,7 +234,7 @@ class InputContinuation:
                 out += self._close()
         return out
 
-    def _close(self) -> list[tuple[str, dict[str, Any]]]:
+    def _close(self) -> list[UpstreamEvent]:
         self._closed = True
         out = [self._delta('"}')]
         args = "".join(self._args)
@@ -244,7 +245,7 @@ class InputContinuation:
         out.append(self._ev("response.output_item.done", {"item": dict(self.item), "output_index": self.output_index}))
         return out
 
-    def done(self) -> list[tuple[str, dict[str, Any]]]:
+    def done(self) -> list[UpstreamEvent]:
         """The step's stream ended: the response's terminal event (nothing if it never finished the call:
         the translator then fails the response rather than leave the client hanging)."""
         if self.finished or not self._closed:

@@ -35,9 +35,9 @@ import structlog
 
 from gateway.enforce.constrain import InputContinuation
 from gateway.enforce.validate import check_input
+from gateway.protocol.events import UpstreamEvent
 from gateway.protocol.ids import custom_call_item_id
 from gateway.protocol.sse import SseParser
-from gateway.translate.chat import Event
 from gateway.translate.tool_context import ResolvedToolContext, ToolInfo
 from gateway.upstream.chat import chat_chunk_events
 from gateway.upstream.client import UpstreamResponse
@@ -68,10 +68,15 @@ class GrammarTakeover:
         self.checked: set[str] = set()  # client item ids of calls taken over (checked here, once)
         self.taken_over = False
 
-    def _grammar_call(self, data: str) -> tuple[dict[str, Any], ToolInfo] | None:
-        if '"function_call"' not in data:  # cheap: only call openings are parsed
+    def _grammar_call(self, ev: UpstreamEvent) -> tuple[dict[str, Any], ToolInfo] | None:
+        if ev.text and '"function_call"' not in ev.text:  # cheap: only call openings are parsed
             return None
-        d = orjson.loads(data)
+        try:
+            d = ev.json()
+        except orjson.JSONDecodeError:
+            return None  # the translator fails the response on it
+        if not isinstance(d, dict):
+            return None
         item = d.get("item")
         if not isinstance(item, dict) or item.get("type") != "function_call" or not item.get("name"):
             return None
@@ -82,13 +87,14 @@ class GrammarTakeover:
             return None
         return d, info
 
-    async def run(self, batches: AsyncIterator[list[Event]], up: UpstreamResponse) -> AsyncIterator[list[Event]]:
+    async def run(self, batches: AsyncIterator[list[UpstreamEvent]], up: UpstreamResponse
+                  ) -> AsyncIterator[list[UpstreamEvent]]:
         try:
             async for events in batches:
-                for i, (etype, data) in enumerate(events):
-                    if etype != ADDED:
+                for i, ev in enumerate(events):
+                    if ev.event != ADDED:
                         continue
-                    found = self._grammar_call(data)
+                    found = self._grammar_call(ev)
                     if found is None:
                         continue
                     # Show everything up to and including the call's opening now; the pump feeds it to
@@ -133,14 +139,14 @@ class GrammarTakeover:
             return None
 
     async def _continue(self, step: UpstreamResponse, added: dict[str, Any], info: ToolInfo
-                        ) -> AsyncIterator[list[Event]]:
+                        ) -> AsyncIterator[list[UpstreamEvent]]:
         snapshot, _ = self.so_far()
         cont = InputContinuation(added, snapshot, self.enforcer.usage)
         parser = SseParser()
         started = time.perf_counter()
         checked = False
         try:
-            out: list[Event] = cont.start()
+            out: list[UpstreamEvent] = cont.start()
             async for raw in step.aiter_bytes():
                 for _event, data in parser.feed(raw):
                     out += chat_chunk_events(data, cont)

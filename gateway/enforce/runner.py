@@ -29,13 +29,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import orjson
 import structlog
 
 from gateway.config import Settings
 from gateway.enforce.constrain import ContentAsCall, args_request, pick_request
 from gateway.enforce.validate import check_arguments, check_call, check_input, check_pinned_output
-from gateway.translate.chat import ChatToResponsesEvents, Event, add_usage, build_chat_request
+from gateway.protocol.events import ClientEvent, UpstreamEvent, with_failed_terminal
+from gateway.translate.chat import ChatToResponsesEvents, add_usage, build_chat_request
 from gateway.translate.custom_input import final_input
 from gateway.translate.restore import RequestState
 from gateway.translate.tool_context import ResolvedToolContext, ToolInfo
@@ -209,9 +209,9 @@ class Enforcer:
                   reason=f"{CHAT_PATH} answered {status}" + (" (the upstream has no Chat Completions endpoint)"
                                                             if missing else ""), started=started)
 
-    async def args_events(self, info: ToolInfo, state: RequestState) -> list[Event]:
+    async def args_events(self, info: ToolInfo, state: RequestState) -> list[UpstreamEvent]:
         """Non-streamed: the call's events, retried (bounded) until the call is valid."""
-        events: list[Event] = []
+        events: list[UpstreamEvent] = []
         started = time.perf_counter()
         for attempt in range(1, ARGS_ATTEMPTS + 1):
             payload = await self._post(self.args_body(info, stream=False))
@@ -278,15 +278,11 @@ def violation_response(final: dict[str, Any], message: str) -> dict[str, Any]:
     return out
 
 
-def _fail_terminal(frames: list[bytes], final: dict[str, Any], message: str) -> tuple[list[bytes], dict[str, Any]]:
-    """Swap the stream's terminal frame (the last one) for ``response.failed`` with the same number."""
-    last = frames[-1]
-    data = last.split(b"\ndata: ", 1)[1].rstrip(b"\n")
-    seq = orjson.loads(data).get("sequence_number")
+def _fail_terminal(events: list[ClientEvent], final: dict[str, Any], message: str
+                   ) -> tuple[list[ClientEvent], dict[str, Any]]:
+    """Swap the stream's terminal event (the last one) for ``response.failed`` with the same number."""
     failed = violation_response(final, message)
-    payload = {"type": "response.failed", "sequence_number": seq, "response": failed}
-    frame = b"event: response.failed\ndata: " + orjson.dumps(payload) + b"\n\n"
-    return [*frames[:-1], frame], failed
+    return with_failed_terminal(events, failed), failed
 
 
 @dataclass
@@ -319,7 +315,8 @@ class Guard:
 
     # -- streamed (nothing is held: grammar calls under auto are taken over live by gateway.enforce.live)
 
-    def end(self, frames: list[bytes], final: dict[str, Any] | None) -> tuple[list[bytes], dict[str, Any] | None]:
+    def end(self, frames: list[ClientEvent], final: dict[str, Any] | None
+            ) -> tuple[list[ClientEvent], dict[str, Any] | None]:
         """The stream's last frames: a pinned violation turns the terminal event into response.failed."""
         if final is None or not frames or final.get("status") == "failed":
             return frames, final

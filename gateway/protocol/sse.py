@@ -8,15 +8,23 @@ the server and by tests that re-chunk recorded streams), so we drive the decoder
 from __future__ import annotations
 
 import codecs
+from collections.abc import Iterable
 
 from httpx_sse._decoders import SSEDecoder, SSELineDecoder
 
-__all__ = ["SseParser", "encode", "encode_comment"]
+from gateway.protocol.events import ClientEvent
+
+__all__ = ["SseParser", "encode", "encode_comment", "encode_events"]
 
 
 def encode(event_type: str, data: str) -> bytes:
     """One frame in the shape vLLM and OpenAI send: ``event:`` line, one ``data:`` line, blank line."""
     return f"event: {event_type}\ndata: {data}\n\n".encode()
+
+
+def encode_events(events: Iterable[ClientEvent]) -> bytes:
+    """Client events as SSE frames: the gateway's one SSE encoder (``event:`` line, one ``data:`` line)."""
+    return b"".join([b"event: " + ev.type.encode() + b"\ndata: " + ev.data + b"\n\n" for ev in events])
 
 
 def encode_comment(text: str) -> bytes:

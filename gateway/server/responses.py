@@ -20,13 +20,14 @@ from gateway.enforce.live import GrammarTakeover
 from gateway.enforce.runner import Enforcer, Guard, Plan, StepError, Violation, plan_for, violation_response
 from gateway.errors import GatewayError, InvalidRequest, NotFound
 from gateway.protocol.conversations import conversation_item, conversation_ref
+from gateway.protocol.events import ClientEvent, UpstreamEvent, with_failed_terminal
 from gateway.protocol.ids import new_id
 from gateway.server.conversations import APPENDED_STATUSES, conversation_history
 from gateway.server.record import RequestRecord
 from gateway.server.shutdown import Drain, ShuttingDown
 from gateway.server.tool_loop import McpHub, ToolLoop
 from gateway.store import BrokenChainError, ConversationTurn, HistoryTooLargeError, ResponseStore, StoredResponse
-from gateway.translate.chat import ChatToResponsesEvents, Event, build_chat_request
+from gateway.translate.chat import ChatToResponsesEvents, build_chat_request
 from gateway.translate.restore import RequestState, build_request_state, restore_output, restore_response
 from gateway.translate.rewrite import build_upstream_request
 from gateway.translate.sealing import ReasoningSealer, open_sealed_reasoning, parse_keys
@@ -47,7 +48,6 @@ ZERO_USAGE = {"input_tokens": 0, "input_tokens_details": {"cached_tokens": 0}, "
 __all__ = ["Answered", "Outcome", "ResponsesHandler", "StoreWriteFailed", "Streamed", "Turn", "public_input_items"]
 
 STORE_FAILED = "store_failed"
-_TERMINAL_HEADS = (b"event: response.completed", b"event: response.incomplete", b"event: response.failed")
 
 
 class StoreWriteFailed(GatewayError):
@@ -272,7 +272,7 @@ class ResponsesHandler:
         return Answered(final)
 
     async def _loop_round(self, loop: ToolLoop, translator: FunctionSseTranslator,
-                          round_history: list[dict[str, Any]], withhold: bool) -> AsyncIterator[bytes]:
+                          round_history: list[dict[str, Any]], withhold: bool) -> AsyncIterator[list[ClientEvent]]:
         """One upstream round of the tool loop, pumped into the loop's translator."""
         record = loop.record
         body, ctx = loop.round_body(round_history, withhold)
@@ -297,26 +297,26 @@ class ResponsesHandler:
                 if isinstance(opened, Answered):
                     err = opened.payload.get("error") if isinstance(opened.payload, dict) else None
                     err = err if isinstance(err, dict) else {}
-                    yield b"".join(translator.fail("upstream_error", str(err.get("message") or
-                                                                         "The upstream refused the request.")))
+                    yield translator.fail("upstream_error", str(err.get("message") or
+                                                                "The upstream refused the request."))
                     return
                 up = opened
                 batches = chat_event_batches(up, self._converter(model)) if chat else responses_event_batches(up)
         except Violation as exc:
-            yield b"".join(translator.fail("tool_choice_violation", str(exc)))
+            yield translator.fail("tool_choice_violation", str(exc))
             return
         except StepError as exc:
             record.upstream_error = f"http_{exc.status}"
-            yield b"".join(translator.fail("upstream_error", "An enforcement step's upstream request failed."))
+            yield translator.fail("upstream_error", "An enforcement step's upstream request failed.")
             return
         except GatewayError as exc:
-            yield b"".join(translator.fail(exc.code or "upstream_error", exc.message))
+            yield translator.fail(exc.code or "upstream_error", exc.message)
             return
         async for chunk in self._pump_events(batches, up, translator, record, persist=loop.persist, guard=None):
             yield chunk
 
     async def _loop_finished(self, translator: FunctionSseTranslator, record: RequestRecord,
-                             persist: Persist | None, frames: list[bytes] | None = None) -> None:
+                             persist: Persist | None, frames: list[ClientEvent] | None = None) -> None:
         """The loop ended the response itself (after running a round's calls): record and store it first. A failed
         store write turns the terminal event in ``frames`` (changed in place) into ``response.failed``."""
         final = translator.final_response
@@ -330,8 +330,8 @@ class ResponsesHandler:
             if frames is not None:
                 frames[:] = out
 
-    async def _persist_frames(self, persist: Persist | None, frames: list[bytes], final: dict[str, Any],
-                              record: RequestRecord) -> tuple[list[bytes], dict[str, Any]]:
+    async def _persist_frames(self, persist: Persist | None, frames: list[ClientEvent], final: dict[str, Any],
+                              record: RequestRecord) -> tuple[list[ClientEvent], dict[str, Any]]:
         """Store the response before its terminal event goes out; if the write fails, the frames end with
         ``response.failed`` (``store_failed``) instead, and that failed response is the final one."""
         if persist is None:
@@ -398,11 +398,11 @@ class ResponsesHandler:
         return ChatToResponsesEvents(model=model, max_unnamed_bytes=self.settings.max_unnamed_call_bytes)
 
     @staticmethod
-    def _translate_all(events: list[Event], state: RequestState) -> dict[str, Any]:
+    def _translate_all(events: list[UpstreamEvent], state: RequestState) -> dict[str, Any]:
         """A non-streamed answer through the same translator as a stream: one code path for both."""
         translator = FunctionSseTranslator(state)
-        for event, data in events:
-            translator.feed(event, data)
+        for ev in events:
+            translator.feed(ev)
             if translator.finished:
                 break
         translator.finish()
@@ -429,7 +429,7 @@ class ResponsesHandler:
         record.response_status = "failed"
         return await self._made_here_stored(persist, frames, final, record)
 
-    async def _made_here_stored(self, persist: Persist | None, frames: list[bytes], final: dict[str, Any],
+    async def _made_here_stored(self, persist: Persist | None, frames: list[ClientEvent], final: dict[str, Any],
                                 record: RequestRecord) -> Outcome:
         """A response the gateway made, stored first: a failed write is a 500 (not streamed) or the stream's
         ``response.failed``."""
@@ -440,7 +440,7 @@ class ResponsesHandler:
         frames, final = await self._persist_frames(persist, frames, final, record)
         return _made_here(frames, final, record)
 
-    def _stream(self, batches: AsyncIterator[list[Event]], up: UpstreamResponse, state: RequestState,
+    def _stream(self, batches: AsyncIterator[list[UpstreamEvent]], up: UpstreamResponse, state: RequestState,
                 record: RequestRecord, persist: Persist | None, guard: Guard | None) -> Outcome:
         translator = FunctionSseTranslator(state)
         if guard is not None and guard.plan.regenerate:
@@ -449,9 +449,9 @@ class ResponsesHandler:
             batches = takeover.run(batches, up)
         return Streamed(self._pump_events(batches, up, translator, record, persist, guard))
 
-    async def _pump_events(self, batches: AsyncIterator[list[Event]], up: UpstreamResponse,
+    async def _pump_events(self, batches: AsyncIterator[list[UpstreamEvent]], up: UpstreamResponse,
                            translator: FunctionSseTranslator, record: RequestRecord, persist: Persist | None,
-                           guard: Guard | None) -> AsyncIterator[bytes]:
+                           guard: Guard | None) -> AsyncIterator[list[ClientEvent]]:
         """Client frames from upstream event batches (chat chunks already converted), written as they come.
 
         Nothing is held here: the guard sees only the last frames (the terminal event) before the client
@@ -460,11 +460,11 @@ class ResponsesHandler:
         feed = translator.feed
         source = self.drain.guard(batches) if self.drain is not None else batches
         try:
-            out: list[bytes] = []
+            out: list[ClientEvent] = []
             try:
                 async for events in source:
-                    for event, data in events:
-                        out += feed(event, data)
+                    for ev in events:
+                        out += feed(ev)
                         if translator.finished or translator.round_done:
                             break
                     if translator.finished or translator.round_done:
@@ -472,7 +472,7 @@ class ResponsesHandler:
                     if out:
                         if record.ttfb is None:
                             record.ttfb = time.perf_counter() - record.started
-                        yield b"".join(out)
+                        yield out
                         out = []
                 else:
                     out += translator.finish()
@@ -505,7 +505,7 @@ class ResponsesHandler:
             if out:
                 if record.ttfb is None:
                     record.ttfb = time.perf_counter() - record.started
-                yield b"".join(out)
+                yield out
         finally:
             stats = translator.stats  # recorded first: a cancelled task may not get past the awaits below
             record.tool_calls = {"custom": stats.custom_calls, "function": stats.function_calls}
@@ -651,9 +651,10 @@ class Answered:
 
 @dataclass(frozen=True, slots=True)
 class Streamed:
-    """The client's SSE frames, in order, ending with the terminal event (``event: …\ndata: {json}\n\n``)."""
+    """The client's events, in order, in batches (one write each), ending with the terminal event; each
+    transport encodes them (SSE: gateway.protocol.sse.encode_events)."""
 
-    frames: AsyncIterator[bytes]
+    events: AsyncIterator[list[ClientEvent]]
 
 
 Outcome = Answered | Streamed
@@ -669,13 +670,13 @@ class Turn:
     input_items: list[dict[str, Any]] = field(default_factory=list)
 
 
-def _made_here(frames: list[bytes], final: dict[str, Any], record: RequestRecord) -> Outcome:
-    """A response the gateway made without an upstream stream: its frames at once, or the body."""
+def _made_here(frames: list[ClientEvent], final: dict[str, Any], record: RequestRecord) -> Outcome:
+    """A response the gateway made without an upstream stream: its events at once, or the body."""
     if not record.stream:
         return Answered(final)
 
-    async def once() -> AsyncIterator[bytes]:
-        yield b"".join(frames)
+    async def once() -> AsyncIterator[list[ClientEvent]]:
+        yield frames
 
     return Streamed(once())
 
@@ -685,25 +686,13 @@ def _store_failed_response(final: Mapping[str, Any]) -> bool:
     return final.get("status") == "failed" and isinstance(error, dict) and error.get("code") == STORE_FAILED
 
 
-def _store_failed_frames(frames: list[bytes], final: dict[str, Any]) -> tuple[list[bytes], dict[str, Any]]:
-    """``frames`` with their terminal event (the last frame) replaced by ``response.failed`` (``store_failed``),
+def _store_failed_frames(frames: list[ClientEvent], final: dict[str, Any]
+                         ) -> tuple[list[ClientEvent], dict[str, Any]]:
+    """``frames`` with their terminal event (the last one) replaced by ``response.failed`` (``store_failed``),
     and that failed response."""
     exc = StoreWriteFailed()
     failed = {**final, "status": "failed", "error": {"code": exc.code, "message": exc.message}}
-    out = list(frames)
-    seq = 0
-    if out:
-        head, _, data = out[-1].partition(b"\ndata: ")
-        try:
-            seq = int(orjson.loads(data).get("sequence_number", -1)) + 1
-        except (orjson.JSONDecodeError, AttributeError, TypeError, ValueError):
-            seq = 0
-        if head in _TERMINAL_HEADS:
-            out.pop()
-            seq -= 1  # the failed event takes the terminal event's place
-    event = {"type": "response.failed", "sequence_number": seq, "response": failed}
-    out.append(b"event: response.failed\ndata: " + orjson.dumps(event) + b"\n\n")
-    return out, failed
+    return with_failed_terminal(frames, failed), failed
 
 
 def _count_calls(record: RequestRecord, final: dict[str, Any]) -> None:

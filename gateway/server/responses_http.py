@@ -27,7 +27,7 @@ async def create_response(handler: ResponsesHandler, request: Request, record: R
 def http_response(outcome: Outcome, record: RequestRecord) -> Response:
     headers = {"x-request-id": record.request_id}
     if isinstance(outcome, Streamed):
-        return SseResponse(outcome.frames, headers=headers, on_disconnect=lambda: _mark_disconnect(record))
+        return SseResponse(outcome.events, headers=headers, on_disconnect=lambda: _mark_disconnect(record))
     return OrjsonResponse(outcome.payload, status_code=outcome.status, headers=headers)
 
 

@@ -1,5 +1,5 @@
 """The tool loop: one client response over several upstream rounds, running gateway-owned (MCP) calls between
-them. Transport-independent: it yields the client's SSE frames, which the HTTP handler streams (or collects for
+them. Transport-independent: it yields the client's events, which the HTTP handler streams (or collects for
 a non-streamed answer), and which the WebSocket transport and background runs consume too. No starlette here.
 
 A response with MCP tools runs as:
@@ -38,6 +38,7 @@ import orjson
 import structlog
 
 from gateway.errors import InvalidRequest
+from gateway.protocol.events import ClientEvent
 from gateway.server.shutdown import ShuttingDown
 from gateway.translate.approvals import ApprovalSigner
 from gateway.translate.mcp_items import CEILING_APPROVAL, McpCallOutcome, list_tools_item, mcp_call_item, tool_allowed
@@ -299,10 +300,10 @@ class ToolLoop:
 
     # ------------------------------------------------------------------ the rounds
 
-    async def frames(self, state: RequestState, shown: list[Shown]) -> AsyncIterator[bytes]:
+    async def frames(self, state: RequestState, shown: list[Shown]) -> AsyncIterator[list[ClientEvent]]:
         translator = FunctionSseTranslator(state, mint_approval=self._mint)
         self.translator = translator
-        out: list[bytes] = []
+        out: list[ClientEvent] = []
         for item in shown:
             out += translator.owned_item(item.opened, item.events, item.final)
         round_history: list[dict[str, Any]] = []
@@ -318,7 +319,7 @@ class ToolLoop:
             round_history.append(item)
         if not out:
             out += translator.start()
-        yield b"".join(out)
+        yield out
         rounds_run = 0
         while True:
             withhold = rounds_run >= self.settings.max_tool_rounds or (
@@ -331,7 +332,7 @@ class ToolLoop:
             if withhold:  # the tools were withheld and the model called one anyway: shown, not run
                 for call in calls:
                     self.record.mcp_calls.append((self._metric_label(call["server_label"]), "not_run", None))
-                    yield b"".join(translator.complete_owned(call["key"], error=WITHHELD))
+                    yield translator.complete_owned(call["key"], error=WITHHELD)
             else:
                 async for chunk in self._run_calls(translator, calls):
                     yield chunk
@@ -343,7 +344,7 @@ class ToolLoop:
             if withhold or translator.client_calls_in_round or translator.approval_requested:
                 frames = translator.end()
                 await self.handler._loop_finished(translator, self.record, self.persist, frames)
-                yield b"".join(frames)
+                yield frames
                 return
             translator.next_round()
 
@@ -362,12 +363,12 @@ class ToolLoop:
         return body, ctx
 
     async def _run_calls(self, translator: FunctionSseTranslator, calls: list[dict[str, Any]]
-                         ) -> AsyncIterator[bytes]:
+                         ) -> AsyncIterator[list[ClientEvent]]:
         budget = None if self.max_calls is None else max(self.max_calls - self.executed, 0)
         runnable = calls if budget is None else calls[:budget]
         for call in calls[len(runnable):]:
             self.record.mcp_calls.append((self._metric_label(call["server_label"]), "not_run", None))
-            yield b"".join(translator.complete_owned(call["key"], error=NOT_RUN))
+            yield translator.complete_owned(call["key"], error=NOT_RUN)
         self.executed += len(runnable)
         sem = asyncio.Semaphore(CALL_CONCURRENCY)
 
@@ -385,16 +386,16 @@ class ToolLoop:
         source = drain.guard(results()) if drain is not None else results()
         try:
             async for call, result in source:
-                yield b"".join(translator.complete_owned(call["key"], output=result.output, error=result.error))
+                yield translator.complete_owned(call["key"], output=result.output, error=result.error)
         except ShuttingDown:
             # The drain period is over: calls still running are abandoned, and the response ends failed.
-            out: list[bytes] = []
+            out: list[ClientEvent] = []
             for call in runnable:
                 out += translator.complete_owned(call["key"], error=SHUTDOWN)
             out += translator.fail("gateway_shutting_down", "The gateway is shutting down; the response was ended "
                                    "after the drain period. Retry the request.")
             await self.handler._loop_finished(translator, self.record, self.persist, out)
-            yield b"".join(out)
+            yield out
         finally:
             for task in tasks:
                 task.cancel()
