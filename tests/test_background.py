@@ -27,12 +27,12 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from gateway.engine import background
+from gateway.engine.background import STOPPED_ERROR, BackgroundRuns
+from gateway.engine.outcome import Streamed
+from gateway.engine.record import RequestRecord
 from gateway.protocol.events import ClientEvent
 from gateway.protocol.sse import encode_events
-from gateway.server import background
-from gateway.server.background import STOPPED_ERROR, BackgroundRuns
-from gateway.server.record import RequestRecord
-from gateway.server.responses import Streamed
 from gateway.store import PostgresResponseStore, ResponseStore, SqliteResponseStore, StoredResponse
 from tests.invariants import check_stream
 from tests.support import ROOT, free_port, running_gateway, serve_in_thread, sse_events
@@ -443,12 +443,12 @@ async def test_a_final_row_without_its_terminal_event_ends_the_follower(tmp_path
 
 
 class _FastProducer:
-    """A stand-in for ResponsesHandler.respond: ``n`` events as fast as the consumer takes them."""
+    """A stand-in for the engine's respond: ``n`` events as fast as the consumer takes them."""
 
     def __init__(self, n: int) -> None:
         self.n = n
 
-    async def respond(self, body: dict[str, Any], headers: Any, owner: str | None, record: Any, *,
+    async def respond(self, body: dict[str, Any], headers: Any, owner: str | None, record: Any,
                       run: Any) -> Streamed:
         resp = {"id": run.response_id, "object": "response", "status": "in_progress", "background": True,
                 "output": []}
@@ -473,8 +473,8 @@ async def test_a_follower_that_falls_behind_is_dropped_and_catches_up_from_the_s
     await runs.start()
     try:
         n = 300
-        outcome = await runs.start_run(_FastProducer(n), {"model": "m", "input": "x", "stream": True,  # type: ignore[arg-type]
-                                                           "background": True}, {}, None,
+        outcome = await runs.start_run(_FastProducer(n).respond, {"model": "m", "input": "x", "stream": True,
+                                                                   "background": True}, {}, None,
                                        RequestRecord(request_id="r", route="t"))
         assert isinstance(outcome, Streamed)
         follower = outcome.events

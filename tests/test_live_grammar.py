@@ -27,7 +27,7 @@ from starlette.routing import Route
 from structlog.testing import capture_logs
 
 from gateway.config import Settings
-from gateway.enforce import runner
+from gateway.engine import enforcer as runner
 from gateway.translate.custom_input import InputDecoder
 from gateway.upstream.replay import load_cassette
 from tests.invariants import check_stream

@@ -17,7 +17,7 @@ import lark
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.enforce.live import GrammarTakeover
+from gateway.engine.takeover import GrammarTakeover
 from gateway.protocol.events import ClientEvent, UpstreamEvent
 from gateway.protocol.sse import SseParser, encode_events
 from gateway.translate.restore import build_request_state

@@ -165,7 +165,7 @@ class InputContinuation:
     """A constrained step's chat chunks -> the rest of one *already announced* upstream call. Pure.
 
     Used when the upstream opened a grammar custom call under ``tool_choice: auto`` and the gateway took
-    over its input (``gateway.enforce.live``): the client has seen the call's ``output_item.added`` under
+    over its input (``gateway.engine.takeover``): the client has seen the call's ``output_item.added`` under
     the upstream's item id and output index; the step's ``delta.content`` pieces continue that same item as
     ``function_call_arguments.delta`` events (the content JSON-escaped inside ``{"input": "…"}``, which the
     translator decodes into ``custom_tool_call_input.delta``), the step's finish closes it, and the end of

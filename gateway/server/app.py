@@ -21,6 +21,11 @@ from starlette.types import Message, Receive, Scope, Send
 from starlette.websockets import WebSocket
 
 from gateway.config import Settings
+from gateway.engine.background import BackgroundPerKeyLimit, BackgroundRuns
+from gateway.engine.drain import Drain
+from gateway.engine.record import RequestRecord
+from gateway.engine.respond import ResponsesHandler
+from gateway.engine.tool_loop import LazyMcpHub, McpHub
 from gateway.errors import (
     GatewayError,
     InvalidRequest,
@@ -31,7 +36,6 @@ from gateway.errors import (
     Unauthorized,
 )
 from gateway.server.auth import ApiKeyAuth, GatewayAuthMiddleware, request_owner, unauthorized, verdict
-from gateway.server.background import BackgroundPerKeyLimit, BackgroundRuns
 from gateway.server.conversations import ConversationsApi
 from gateway.server.guard import HostOriginGuard
 from gateway.server.health import Readiness, UpstreamMetrics
@@ -49,11 +53,7 @@ from gateway.server.http import (
 from gateway.server.limits import ConcurrencyLimiter, Slot, limited_stream
 from gateway.server.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
 from gateway.server.observe import Observer, ensure_logging
-from gateway.server.record import RequestRecord
-from gateway.server.responses import ResponsesHandler
 from gateway.server.responses_http import create_response as create_http_response
-from gateway.server.shutdown import Drain
-from gateway.server.tool_loop import LazyMcpHub, McpHub
 from gateway.server.websocket import ResponsesSocket
 from gateway.store import ResponseStore, open_store, run_sweeper
 from gateway.upstream.client import PROXY_DROP_RESPONSE, UpstreamClient

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from gateway.server.record import RequestRecord
+from gateway.engine.record import RequestRecord
 
 __all__ = ["CONTENT_TYPE_LATEST", "METRICS", "GatewayMetrics", "MetricSpec", "metrics_table"]
 

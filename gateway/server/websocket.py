@@ -29,14 +29,15 @@ import orjson
 import structlog
 from starlette.websockets import WebSocket
 
+from gateway.engine.outcome import Answered, Turn
+from gateway.engine.record import RequestRecord
+from gateway.engine.respond import ResponsesHandler
 from gateway.errors import GatewayError, InvalidRequest, RateLimited, ServiceUnavailable
 from gateway.protocol.events import ClientEvent
 from gateway.protocol.request import parse_request_body
 from gateway.server.auth import request_owner, unauthorized, verdict
 from gateway.server.http import OrjsonResponse
 from gateway.server.limits import ConcurrencyLimiter, Slot
-from gateway.server.record import RequestRecord
-from gateway.server.responses import Answered, ResponsesHandler, Turn
 
 log = structlog.get_logger("gateway.websocket")
 

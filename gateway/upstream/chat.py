@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from typing import Any, Protocol
 
+import httpx
 import orjson
 
 from gateway.protocol.events import UpstreamEvent
@@ -33,11 +34,15 @@ class ChunkConverter(Protocol):
 
 
 async def responses_event_batches(up: UpstreamResponse) -> AsyncIterator[list[UpstreamEvent]]:
+    """vLLM's /v1/responses SSE as it arrives; a transport error mid-stream raises ``StreamFailure``."""
     parser = SseParser()
-    async for chunk in up.aiter_bytes():
-        events = parser.feed(chunk)
-        if events:
-            yield [UpstreamEvent(event, data) for event, data in events]
+    try:
+        async for chunk in up.aiter_bytes():
+            events = parser.feed(chunk)
+            if events:
+                yield [UpstreamEvent(event, data) for event, data in events]
+    except httpx.HTTPError as exc:
+        raise up.stream_failure(exc) from None
     tail = parser.close()
     if tail:
         yield [UpstreamEvent(event, data) for event, data in tail]
@@ -59,16 +64,20 @@ def chat_chunk_events(data: str, conv: ChunkConverter,
     return conv.feed(rewrite(chunk) if rewrite is not None and "error" not in chunk else chunk)
 
 
-async def chat_event_batches(up: UpstreamResponse, conv: ChatToResponsesEvents,
+async def chat_event_batches(up: UpstreamResponse, conv: ChunkConverter,
                              rewrite: ChunkRewrite | None = None) -> AsyncIterator[list[UpstreamEvent]]:
-    """Chat SSE (``data:`` lines only, ``[DONE]`` at the end) -> Responses event batches."""
+    """Chat SSE (``data:`` lines only, ``[DONE]`` at the end) -> Responses event batches; a transport error
+    mid-stream raises ``StreamFailure``."""
     parser = SseParser()
-    async for raw in up.aiter_bytes():
-        out: list[UpstreamEvent] = []
-        for _event, data in parser.feed(raw):
-            out += chat_chunk_events(data, conv, rewrite)
-        if out:
-            yield out
+    try:
+        async for raw in up.aiter_bytes():
+            out: list[UpstreamEvent] = []
+            for _event, data in parser.feed(raw):
+                out += chat_chunk_events(data, conv, rewrite)
+            if out:
+                yield out
+    except httpx.HTTPError as exc:
+        raise up.stream_failure(exc) from None
     out = []
     for _event, data in parser.close():
         out += chat_chunk_events(data, conv, rewrite)

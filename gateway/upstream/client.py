@@ -24,7 +24,15 @@ import orjson
 from httpx_aiohttp import AiohttpTransport
 
 from gateway.config import Settings
-from gateway.errors import GatewayError, UpstreamTimeout, UpstreamUnavailable, normalize_upstream_error
+from gateway.errors import (
+    GatewayError,
+    StreamFailure,
+    UpstreamIdleTimeout,
+    UpstreamStreamBroken,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+    normalize_upstream_error,
+)
 
 __all__ = ["PROXY_DROP_RESPONSE", "UpstreamClient", "UpstreamResponse", "UpstreamTransport", "map_transport_error"]
 
@@ -131,6 +139,7 @@ class UpstreamResponse:
     """
 
     response: httpx.Response
+    idle_timeout: float | None = None  # the stream's read timeout (for the failure's message)
     _body: AsyncIterator[bytes] | None = None
 
     @property
@@ -150,6 +159,13 @@ class UpstreamResponse:
         if self._body is None:
             self._body = self.response.aiter_bytes()
         return self._body
+
+    def stream_failure(self, exc: httpx.HTTPError) -> StreamFailure:
+        """A transport error met while reading this stream, as the failure that ends the client's response."""
+        if isinstance(exc, httpx.ReadTimeout):
+            waited = f"{self.idle_timeout:g} seconds" if self.idle_timeout is not None else "too long"
+            return UpstreamIdleTimeout(f"No upstream event for {waited}; the gateway ended the stream.")
+        return UpstreamStreamBroken(f"The upstream connection broke mid-stream ({type(exc).__name__}).")
 
     async def release(self, max_bytes: int = RELEASE_MAX_BYTES, timeout: float = RELEASE_TIMEOUT) -> bool:
         """End a complete response, keeping its connection: read the rest of the body (at most ``max_bytes``,
@@ -250,6 +266,7 @@ class UpstreamClient:
         self._timeout = httpx.Timeout(settings.read_timeout, connect=settings.connect_timeout)
         self._stream_timeout = httpx.Timeout(settings.stream_idle_timeout, connect=settings.connect_timeout)
         self._timeouts = {True: self._stream_timeout.as_dict(), False: self._timeout.as_dict()}
+        self._idle_timeout = settings.stream_idle_timeout
         self._urls: dict[str, httpx.URL] = {}
         # A transport given (tests, the demo) replaces the network, environment proxies included.
         self.http = _Client(base_url=settings.upstream_url.rstrip("/"), transport=transport, limits=limits,
@@ -287,8 +304,9 @@ class UpstreamClient:
                         stream: bool, extra_headers: Mapping[str, str] | None = None) -> UpstreamResponse:
         """POST a JSON body; the response is returned open (streamed) so the caller decides how to read it.
 
-        For streams the read timeout is the idle timeout: no upstream bytes for that long raises
-        ``httpx.ReadTimeout`` inside the stream, which the pump turns into ``response.failed``.
+        For streams the read timeout is the idle timeout: no upstream bytes for that long fails the stream's read
+        (``UpstreamIdleTimeout`` from the event readers, gateway.upstream.chat), which ends the client's response
+        with ``response.failed``.
         """
         headers = {"content-type": "application/json", "accept": "text/event-stream" if stream else
                    "application/json", **self.auth_headers(client_headers), **(extra_headers or {})}
@@ -306,7 +324,7 @@ class UpstreamClient:
         # The request (its serialized body: the whole conversation, for a long agent session hundreds of KB) is
         # detached from the response, which lives as long as the stream: nothing reads it back (httpx-private).
         response._request = None
-        return UpstreamResponse(response)
+        return UpstreamResponse(response, self._idle_timeout if stream else None)
 
     async def post_json(self, path: str, body: Mapping[str, Any], client_headers: Mapping[str, str]
                         ) -> tuple[int, Any]:

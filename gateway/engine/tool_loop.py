@@ -37,9 +37,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 import orjson
 import structlog
 
+from gateway.config import Settings
+from gateway.engine.drain import Drain, ShuttingDown
+from gateway.engine.outcome import Persist
 from gateway.errors import InvalidRequest
 from gateway.protocol.events import ClientEvent
-from gateway.server.shutdown import ShuttingDown
 from gateway.translate.approvals import ApprovalSigner
 from gateway.translate.mcp_items import CEILING_APPROVAL, McpCallOutcome, list_tools_item, mcp_call_item, tool_allowed
 from gateway.translate.restore import RequestState
@@ -47,7 +49,7 @@ from gateway.translate.tool_context import ResolvedToolContext, with_mcp_tools
 from gateway.translate.translator import FunctionSseTranslator
 
 if TYPE_CHECKING:
-    from gateway.server.record import RequestRecord
+    from gateway.engine.record import RequestRecord
 
 log = structlog.get_logger("gateway.mcp")
 
@@ -197,14 +199,28 @@ def _parse_args(arguments: str) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
-class ToolLoop:
-    """One response's rounds. ``handler`` opens upstream rounds and pumps them (gateway.server.responses)."""
+class RoundHost(Protocol):
+    """What the loop needs from the engine (gateway.engine.respond): an upstream round pumped into the loop's
+    translator, and the response stored once the loop ends it itself."""
 
-    def __init__(self, handler: Any, body: dict[str, Any], state: RequestState, history: list[dict[str, Any]],
+    settings: Settings
+    drain: Drain | None
+
+    def loop_round(self, loop: ToolLoop, translator: FunctionSseTranslator, round_history: list[dict[str, Any]],
+                   withhold: bool) -> AsyncIterator[list[ClientEvent]]: ...
+
+    async def loop_finished(self, translator: FunctionSseTranslator, record: RequestRecord, persist: Persist | None,
+                            frames: list[ClientEvent] | None = None) -> None: ...
+
+
+class ToolLoop:
+    """One response's rounds; ``host`` opens the upstream rounds and pumps them."""
+
+    def __init__(self, host: RoundHost, body: dict[str, Any], state: RequestState, history: list[dict[str, Any]],
                  headers: Mapping[str, str], extra: Mapping[str, str], record: RequestRecord,
-                 persist: Any, executor: McpExecutor, owner: str | None = None) -> None:
-        self.handler = handler
-        self.settings = handler.settings
+                 persist: Persist | None, executor: McpExecutor, owner: str | None = None) -> None:
+        self.host = host
+        self.settings = host.settings
         self.body = body
         self.state = state
         self.history = history
@@ -324,7 +340,7 @@ class ToolLoop:
         while True:
             withhold = rounds_run >= self.settings.max_tool_rounds or (
                 self.max_calls is not None and self.executed >= self.max_calls)
-            async for chunk in self.handler._loop_round(self, translator, round_history, withhold):
+            async for chunk in self.host.loop_round(self, translator, round_history, withhold):
                 yield chunk
             if translator.finished or not translator.round_done:
                 return
@@ -343,7 +359,7 @@ class ToolLoop:
             rounds_run += 1
             if withhold or translator.client_calls_in_round or translator.approval_requested:
                 frames = translator.end()
-                await self.handler._loop_finished(translator, self.record, self.persist, frames)
+                await self.host.loop_finished(translator, self.record, self.persist, frames)
                 yield frames
                 return
             translator.next_round()
@@ -382,7 +398,7 @@ class ToolLoop:
             for next_done in asyncio.as_completed(tasks):
                 yield await next_done
 
-        drain = getattr(self.handler, "drain", None)
+        drain = self.host.drain
         source = drain.guard(results()) if drain is not None else results()
         try:
             async for call, result in source:
@@ -394,7 +410,7 @@ class ToolLoop:
                 out += translator.complete_owned(call["key"], error=SHUTDOWN)
             out += translator.fail("gateway_shutting_down", "The gateway is shutting down; the response was ended "
                                    "after the drain period. Retry the request.")
-            await self.handler._loop_finished(translator, self.record, self.persist, out)
+            await self.host.loop_finished(translator, self.record, self.persist, out)
             yield out
         finally:
             for task in tasks:

@@ -37,13 +37,12 @@ from gateway.enforce.constrain import InputContinuation
 from gateway.enforce.validate import check_input
 from gateway.protocol.events import UpstreamEvent
 from gateway.protocol.ids import custom_call_item_id
-from gateway.protocol.sse import SseParser
 from gateway.translate.tool_context import ResolvedToolContext, ToolInfo
-from gateway.upstream.chat import chat_chunk_events
+from gateway.upstream.chat import chat_event_batches
 from gateway.upstream.client import UpstreamResponse
 
 if TYPE_CHECKING:
-    from gateway.enforce.runner import Enforcer
+    from gateway.engine.enforcer import Enforcer
 
 log = structlog.get_logger("gateway.enforce")
 
@@ -124,7 +123,7 @@ class GrammarTakeover:
                 await aclose()
 
     async def _open(self, info: ToolInfo) -> UpstreamResponse | None:
-        from gateway.enforce.runner import StepError  # runner imports this module
+        from gateway.engine.enforcer import StepError  # runner imports this module
 
         _, text = self.so_far()
         started = time.perf_counter()
@@ -142,22 +141,18 @@ class GrammarTakeover:
                         ) -> AsyncIterator[list[UpstreamEvent]]:
         snapshot, _ = self.so_far()
         cont = InputContinuation(added, snapshot, self.enforcer.usage)
-        parser = SseParser()
         started = time.perf_counter()
         checked = False
         try:
             out: list[UpstreamEvent] = cont.start()
-            async for raw in step.aiter_bytes():
-                for _event, data in parser.feed(raw):
-                    out += chat_chunk_events(data, cont)
-                if cont.finish_reason is not None and not checked:
-                    checked = True  # before the call's done event reaches the client (and the metric)
-                    self._check(cont, info, started)
-                if out:
+            async with contextlib.aclosing(chat_event_batches(step, cont)) as batches:
+                async for events in batches:
+                    out += events
+                    if cont.finish_reason is not None and not checked:
+                        checked = True  # before the call's done event reaches the client (and the metric)
+                        self._check(cont, info, started)
                     yield out
                     out = []
-            for _event, data in parser.close():
-                out += chat_chunk_events(data, cont)
             if cont.finish_reason is not None and not checked:
                 checked = True
                 self._check(cont, info, started)

@@ -1,12 +1,13 @@
 """Background responses (``background: true``): a run detached from the client, durable stream events, streams
 resumable from any replica, cancellation from any replica, and leases so that a run whose replica died ends.
 
-One ``BackgroundRuns`` registry per process (created by the app's lifespan, handed to ``ResponsesHandler``):
+One ``BackgroundRuns`` registry per process (created by the app's lifespan, handed to the engine):
 
 - ``start()`` answers the create call at once. It writes the response row as ``queued`` (so ``GET`` works
-  immediately), leased to this replica, and runs ``handler.respond({...body, "stream": True}, …)`` in a task
-  of its own: the client leaving (or never reading a stream) does not stop it. A streamed create is answered
-  with a follower of that run, like ``GET …?stream=true``.
+  immediately), leased to this replica, and runs ``produce({...body, "stream": True}, …)`` (the engine's
+  respond, handed in: this module does not import it) in a task of its own: the client leaving (or never
+  reading a stream) does not stop it. A streamed create is answered with a follower of that run, like
+  ``GET …?stream=true``.
 - The run takes the client events the producer yields (their objects are the stored rows: nothing is parsed
   back), and appends them to the store in batches (every ``FLUSH_SECONDS`` or ``FLUSH_EVENTS`` events, and at
   once for the terminal event). Live events also go to this process's followers through bounded queues; a
@@ -39,26 +40,24 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import structlog
 
+from gateway.engine.drain import ABORT_GRACE, Drain
+from gateway.engine.history import public_input_items
+from gateway.engine.outcome import Answered, Outcome, Streamed
+from gateway.engine.record import RequestRecord
 from gateway.errors import GatewayError, InvalidRequest, RateLimited, ServiceUnavailable
 from gateway.protocol.events import TERMINAL_TYPES as TERMINAL_EVENTS
 from gateway.protocol.events import ClientEvent
 from gateway.protocol.ids import new_id
-from gateway.server.record import RequestRecord
-from gateway.server.responses import Answered, Outcome, Streamed, public_input_items
-from gateway.server.shutdown import ABORT_GRACE, Drain
 from gateway.store import ResponseStore, StoredResponse
 from gateway.store.base import RUNNING_STATUSES
 from gateway.translate.restore import build_request_state, restore_response
 from gateway.translate.tool_context import resolve_tool_context
-
-if TYPE_CHECKING:
-    from gateway.server.responses import ResponsesHandler
 
 log = structlog.get_logger("gateway.background")
 
@@ -82,10 +81,14 @@ STOPPED_ERROR = {"code": "gateway_stopped",
 
 @dataclass(frozen=True, slots=True)
 class RunIdentity:
-    """What a background run's response is known by before it starts: handed to ``respond(…, run=…)``."""
+    """What a background run's response is known by before it starts: handed to ``produce``."""
 
     response_id: str
     created_at: int
+
+
+# The producer of a run's response (the engine's respond, with the run's identity): no import of it here.
+Produce = Callable[[dict[str, Any], Mapping[str, str], str | None, RequestRecord, RunIdentity], Awaitable[Outcome]]
 
 
 def _row_event(row: dict[str, Any]) -> ClientEvent:
@@ -215,7 +218,7 @@ class BackgroundRuns:
 
     # ------------------------------------------------------------------ create
 
-    async def start_run(self, handler: ResponsesHandler, body: dict[str, Any], headers: Mapping[str, str],
+    async def start_run(self, produce: Produce, body: dict[str, Any], headers: Mapping[str, str],
                         owner: str | None, record: RequestRecord) -> Outcome:
         """``POST /v1/responses`` with ``background: true``: the queued Response (or, streamed, the run's events)
         at once; the run goes on in its own task."""
@@ -246,33 +249,32 @@ class BackgroundRuns:
                                 tool_context=ctx.describe(), updated_at=identity.created_at, owner=owner)
         run_record = RequestRecord(request_id=record.request_id, route="background", started=time.perf_counter())
         # Shielded: a client leaving while the row is written does not leave a row without its run.
-        await asyncio.shield(self._launch(run, stored, handler, body, headers, run_record))
+        await asyncio.shield(self._launch(run, stored, produce, body, headers, run_record))
         record.response_status = "queued"
         log.info("background_started", response_id=identity.response_id, request_id=record.request_id)
         if body.get("stream"):
             return Streamed(self.follow(identity.response_id, -1, owner))
         return Answered(queued)
 
-    async def _launch(self, run: _Run, stored: StoredResponse, handler: ResponsesHandler, body: dict[str, Any],
+    async def _launch(self, run: _Run, stored: StoredResponse, produce: Produce, body: dict[str, Any],
                       headers: Mapping[str, str], record: RequestRecord) -> None:
         try:
             await self.store.create_background(stored, self.lease_owner, time.time() + LEASE_SECONDS)
         except BaseException:
             self.runs.pop(stored.id, None)
             raise
-        run.task = asyncio.create_task(self._run(run, handler, dict(body), dict(headers), record))
+        run.task = asyncio.create_task(self._run(run, produce, dict(body), dict(headers), record))
 
     # ------------------------------------------------------------------ the run
 
-    async def _run(self, run: _Run, handler: ResponsesHandler, body: dict[str, Any], headers: dict[str, str],
+    async def _run(self, run: _Run, produce: Produce, body: dict[str, Any], headers: dict[str, str],
                    record: RequestRecord) -> None:
         rid = run.identity.response_id
         flusher = asyncio.create_task(self._flusher(run))
         frames: AsyncIterator[list[ClientEvent]] | None = None
         try:
             try:
-                outcome = await handler.respond({**body, "stream": True}, headers, run.owner, record,
-                                                run=run.identity)
+                outcome = await produce({**body, "stream": True}, headers, run.owner, record, run.identity)
             except GatewayError as exc:  # refused before anything streamed (an unknown previous_response_id, …)
                 await self._fail(run, exc.code or exc.type, exc.message)
                 return
