@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterable, Callable
 from typing import Any, TypeVar
 
 from gateway.errors import StreamFailure
@@ -56,7 +56,7 @@ class Drain:
             self._cancelled.add(task)
             task.cancel()
 
-    async def guard(self, chunks: AsyncIterable[T]) -> AsyncIterator[T]:
+    async def guard(self, chunks: AsyncIterable[T]) -> AsyncGenerator[T, None]:
         """``chunks`` (upstream bytes or event batches), but raising ``ShuttingDown`` once ``abort()`` ran,
         even while an upstream read is pending (a model thinking for minutes must not hold the shutdown).
 

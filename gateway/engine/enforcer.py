@@ -314,10 +314,9 @@ class Guard:
             for item in output:
                 if item.get("type") != "custom_tool_call" or item.get("id") in self.checked:
                     continue
-                info, verdict = check_call(item, self.ctx)
+                info, call = check_call(item, self.ctx)
                 if info is None or info.grammar is None:
                     continue
-                outcome = "unchecked" if verdict.unchecked else "valid" if verdict.ok else "violated"
-                self.enforcer.note("check", outcome, tool=info.upstream_name,
-                                   reason=verdict.reason or verdict.unchecked)
+                outcome = "unchecked" if call.unchecked else "valid" if call.ok else "violated"
+                self.enforcer.note("check", outcome, tool=info.upstream_name, reason=call.reason or call.unchecked)
         return None

@@ -252,6 +252,7 @@ class ResponsesHandler:
         body["stream"] = True
         model = body.get("model") if isinstance(body.get("model"), str) else None
         plan = plan_for(ctx, self.settings.tool_choice_enforcement) if translator.round == 0 else plan_for(ctx, "off")
+        opened: Round | Answered
         try:
             if plan.constrain:
                 enforcer = Enforcer(plan, self.upstream, self.settings, body, ctx, loop.history, loop.headers,

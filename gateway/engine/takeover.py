@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -138,7 +138,7 @@ class GrammarTakeover:
             return None
 
     async def _continue(self, step: UpstreamResponse, added: dict[str, Any], info: ToolInfo
-                        ) -> AsyncIterator[list[UpstreamEvent]]:
+                        ) -> AsyncGenerator[list[UpstreamEvent], None]:
         snapshot, _ = self.so_far()
         cont = InputContinuation(added, snapshot, self.enforcer.usage)
         started = time.perf_counter()

@@ -30,7 +30,7 @@ import asyncio
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -316,7 +316,7 @@ class ToolLoop:
 
     # ------------------------------------------------------------------ the rounds
 
-    async def frames(self, state: RequestState, shown: list[Shown]) -> AsyncIterator[list[ClientEvent]]:
+    async def frames(self, state: RequestState, shown: list[Shown]) -> AsyncGenerator[list[ClientEvent], None]:
         translator = FunctionSseTranslator(state, mint_approval=self._mint)
         self.translator = translator
         out: list[ClientEvent] = []
@@ -327,12 +327,12 @@ class ToolLoop:
         for response, request, _ in self.approved:
             if response.get("approve") is not True:
                 continue
-            item = await self._run_approved(request, response)
-            out += translator.owned_item(mcp_call_item(item["server_label"], item["name"], "",
-                                                       item_id=item["id"],
-                                                       approval_request_id=item["approval_request_id"]),
-                                         _call_events(item), item)
-            round_history.append(item)
+            ran = await self._run_approved(request, response)
+            out += translator.owned_item(mcp_call_item(ran["server_label"], ran["name"], "",
+                                                       item_id=ran["id"],
+                                                       approval_request_id=ran["approval_request_id"]),
+                                         _call_events(ran), ran)
+            round_history.append(ran)
         if not out:
             out += translator.start()
         yield out
@@ -394,7 +394,7 @@ class ToolLoop:
 
         tasks = [asyncio.ensure_future(one(c)) for c in runnable]
 
-        async def results() -> AsyncIterator[tuple[dict[str, Any], McpCallOutcome]]:
+        async def results() -> AsyncGenerator[tuple[dict[str, Any], McpCallOutcome], None]:
             for next_done in asyncio.as_completed(tasks):
                 yield await next_done
 

@@ -230,7 +230,9 @@ class FunctionSseTranslator:
         return []  # duplicates (and queued) are folded into the snapshot only
 
     def _on_error(self, etype: str, d: dict[str, Any], data: str) -> list[ClientEvent]:
-        err = d.get("error") if isinstance(d.get("error"), dict) else d
+        err = d.get("error")
+        if not isinstance(err, dict):
+            err = d
         code = err.get("code")
         return self.fail(code if isinstance(code, str) else "upstream_error",
                          str(err.get("message") or "The upstream reported an error."))

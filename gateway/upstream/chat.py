@@ -7,7 +7,7 @@ e.g. a constrained step's content turned into a call by ``ContentAsCall``).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncGenerator, Callable, Iterable, Mapping
 from typing import Any, Protocol
 
 import httpx
@@ -33,7 +33,7 @@ class ChunkConverter(Protocol):
     def done(self) -> list[UpstreamEvent]: ...
 
 
-async def responses_event_batches(up: UpstreamResponse) -> AsyncIterator[list[UpstreamEvent]]:
+async def responses_event_batches(up: UpstreamResponse) -> AsyncGenerator[list[UpstreamEvent], None]:
     """vLLM's /v1/responses SSE as it arrives; a transport error mid-stream raises ``StreamFailure``."""
     parser = SseParser()
     try:
@@ -65,7 +65,7 @@ def chat_chunk_events(data: str, conv: ChunkConverter,
 
 
 async def chat_event_batches(up: UpstreamResponse, conv: ChunkConverter,
-                             rewrite: ChunkRewrite | None = None) -> AsyncIterator[list[UpstreamEvent]]:
+                             rewrite: ChunkRewrite | None = None) -> AsyncGenerator[list[UpstreamEvent], None]:
     """Chat SSE (``data:`` lines only, ``[DONE]`` at the end) -> Responses event batches; a transport error
     mid-stream raises ``StreamFailure``."""
     parser = SseParser()
