@@ -14,7 +14,7 @@ rest of its body read, bounded) rather than dropped.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -166,6 +166,17 @@ class UpstreamResponse:
             waited = f"{self.idle_timeout:g} seconds" if self.idle_timeout is not None else "too long"
             return UpstreamIdleTimeout(f"No upstream event for {waited}; the gateway ended the stream.")
         return UpstreamStreamBroken(f"The upstream connection broke mid-stream ({type(exc).__name__}).")
+
+    async def relay(self, on_broken: Callable[[], None]) -> AsyncIterator[bytes]:
+        """The body as it arrives, undecoded (the pass-through proxy), closed at its end; a transport error ends
+        it early (``on_broken`` is told)."""
+        try:
+            async for chunk in self.response.aiter_raw():
+                yield chunk
+        except httpx.HTTPError:
+            on_broken()
+        finally:
+            await self.aclose()
 
     async def release(self, max_bytes: int = RELEASE_MAX_BYTES, timeout: float = RELEASE_TIMEOUT) -> bool:
         """End a complete response, keeping its connection: read the rest of the body (at most ``max_bytes``,
