@@ -8,8 +8,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
-import httpx
 import structlog
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -35,6 +35,9 @@ from gateway.server.services import Services, ServicesRef
 from gateway.server.websocket import ResponsesSocket
 from gateway.store import ResponseStore, open_store, run_sweeper
 from gateway.upstream.client import UpstreamClient
+
+if TYPE_CHECKING:  # a type only: httpx is upstream/'s
+    import httpx
 
 log = structlog.get_logger("gateway.app")
 

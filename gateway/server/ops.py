@@ -33,8 +33,7 @@ def probe_routes(services: Callable[[], Services], *, drain: Drain, readiness: R
         return OrjsonResponse({"status": "ok"}, headers=_NO_STORE)
 
     async def readyz(request: Request) -> Response:
-        upstream = services().upstream
-        state = await readiness.check(upstream.http, upstream.auth_headers({}))
+        state = await readiness.check(services().upstream)
         if not drain.draining:
             metrics.upstream_ready.set(1 if state.ready else 0)
         if state.ready:
@@ -55,10 +54,9 @@ def upstream_metrics_route(services: Callable[[], Services], wrap: Wrap) -> Rout
     vllm_metrics = UpstreamMetrics()
 
     async def upstream_metrics(request: Request, record: RequestRecord) -> Response:
-        upstream = services().upstream
         # Unlike the probes, a request like the others (wrap: behind the gateway keys, in a slot, counted): it
         # sends the upstream key to vLLM. Cached: one upstream scrape per second at most.
-        answer = await vllm_metrics.get(upstream.http, upstream.auth_headers({}))
+        answer = await vllm_metrics.get(services().upstream)
         return Response(answer.body, status_code=answer.status, headers=_NO_STORE,
                         media_type=answer.content_type or CONTENT_TYPE_LATEST)
 

@@ -356,6 +356,33 @@ class UpstreamClient:
         finally:
             await up.aclose()
 
+    async def health_status(self, timeout: float) -> int | str:
+        """vLLM's ``GET /health`` (with the upstream key): its status, or why there is none (a sentence)."""
+        try:
+            async with asyncio.timeout(timeout):  # covers a server that accepts but never answers
+                response = await self.http.get("/health", headers=self.auth_headers({}), timeout=timeout)
+        except (TimeoutError, httpx.TimeoutException):
+            return f"upstream /health did not answer within {timeout:g} s"
+        except httpx.HTTPError as exc:
+            return f"upstream unreachable ({type(exc).__name__})"
+        return response.status_code
+
+    async def fetch_metrics(self, timeout: float, max_bytes: int) -> tuple[int, bytes, str] | GatewayError:
+        """vLLM's ``GET /metrics`` (with the upstream key): status, body, content type — or the error it maps to."""
+        try:
+            async with asyncio.timeout(timeout):
+                async with self.http.stream("GET", "/metrics", headers=self.auth_headers({}), timeout=timeout) as up:
+                    body = bytearray()
+                    async for chunk in up.aiter_bytes():
+                        body += chunk
+                        if len(body) > max_bytes:
+                            return UpstreamUnavailable(f"The upstream's metrics exceed {max_bytes} bytes.")
+                    return up.status_code, bytes(body), up.headers.get("content-type", "")
+        except TimeoutError:
+            return UpstreamTimeout(f"The upstream's metrics did not come within {timeout:g} s.")
+        except httpx.HTTPError as exc:
+            return map_transport_error(exc)
+
     def proxy_path(self, raw_path: bytes) -> str | None:
         """The allow-listed upstream path a pass-through request names, or None. The raw path (before any
         percent-decoding) must equal an entry of ``--proxy-paths``: a dot segment, a doubled or trailing slash
