@@ -98,6 +98,31 @@ class UpstreamTimeout(GatewayError):
     code = "upstream_timeout"
 
 
+class StreamFailure(GatewayError):
+    """What ends a response that is already streaming: the client gets ``response.failed`` with this error's
+    ``code`` and message, and the request's log line ``upstream_error`` (when set). Each failure carries its own
+    code — this is the one mapping from errors to ``response.failed`` codes."""
+
+    status = 502
+    type = "server_error"
+    code = "upstream_error"
+    upstream_error: str | None = None
+
+
+class UpstreamIdleTimeout(StreamFailure):
+    """No upstream bytes for --stream-idle-timeout seconds mid-stream."""
+
+    code = "stream_idle_timeout"
+    upstream_error = "idle_timeout"
+
+
+class UpstreamStreamBroken(StreamFailure):
+    """The upstream connection broke mid-stream."""
+
+    code = "upstream_connection_error"
+    upstream_error = "stream_broken"
+
+
 class ServiceUnavailable(GatewayError):
     status = 503
     type = "server_error"

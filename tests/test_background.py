@@ -27,11 +27,12 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from gateway.protocol.sse import encode
-from gateway.server import background
-from gateway.server.background import STOPPED_ERROR, BackgroundRuns
-from gateway.server.record import RequestRecord
-from gateway.server.responses import Streamed
+from gateway.engine import background
+from gateway.engine.background import STOPPED_ERROR, BackgroundRuns
+from gateway.engine.outcome import Streamed
+from gateway.engine.record import RequestRecord
+from gateway.protocol.events import ClientEvent
+from gateway.protocol.sse import encode_events
 from gateway.store import PostgresResponseStore, ResponseStore, SqliteResponseStore, StoredResponse
 from tests.invariants import check_stream
 from tests.support import ROOT, free_port, fresh_pg_database, running_gateway, serve_in_thread, sse_events
@@ -411,7 +412,7 @@ async def test_sweep_marks_expired_runs_failed_with_a_terminal_event(tmp_path: P
         assert await runs.sweep_expired() == 1
         rec = await st.get("resp_dead")
         assert rec is not None and rec.status == "failed" and rec.response["error"] == STOPPED_ERROR
-        frames = [f async for f in runs.follow("resp_dead", -1, None)]
+        frames = [encode_events(f) async for f in runs.follow("resp_dead", -1, None)]
         assert [f.split(b"\n", 1)[0] for f in frames] == [b"event: response.created", b"event: response.failed"]
         assert await runs.sweep_expired() == 0
     finally:
@@ -434,7 +435,7 @@ async def test_a_final_row_without_its_terminal_event_ends_the_follower(tmp_path
         await st.append_events("resp_half", [{"type": "response.created", "sequence_number": 0}])
         await st.put(StoredResponse(**{**_fields(rec), "status": "completed",
                                        "response": {**response, "status": "completed"}}))
-        frames = [f async for f in BackgroundRuns(st).follow("resp_half", -1, None)]
+        frames = [encode_events(f) async for f in BackgroundRuns(st).follow("resp_half", -1, None)]
         assert frames[-1].startswith(b"event: response.completed\n")
         assert b'"sequence_number":1' in frames[-1]
     finally:
@@ -442,26 +443,23 @@ async def test_a_final_row_without_its_terminal_event_ends_the_follower(tmp_path
 
 
 class _FastProducer:
-    """A stand-in for ResponsesHandler.respond: ``n`` events as fast as the consumer takes them."""
+    """A stand-in for the engine's respond: ``n`` events as fast as the consumer takes them."""
 
     def __init__(self, n: int) -> None:
         self.n = n
 
-    async def respond(self, body: dict[str, Any], headers: Any, owner: str | None, record: Any, *,
+    async def respond(self, body: dict[str, Any], headers: Any, owner: str | None, record: Any,
                       run: Any) -> Streamed:
         resp = {"id": run.response_id, "object": "response", "status": "in_progress", "background": True,
                 "output": []}
 
-        async def frames() -> AsyncIterator[bytes]:
-            yield encode("response.created", orjson.dumps({"type": "response.created", "sequence_number": 0,
-                                                           "response": resp}).decode())
-            for i in range(1, self.n - 1):  # several frames per chunk, as the pump joins them
-                yield encode("response.output_text.delta", orjson.dumps(
-                    {"type": "response.output_text.delta", "sequence_number": i, "delta": f"{i} "}).decode())
+        async def frames() -> AsyncIterator[list[ClientEvent]]:
+            yield [ClientEvent.of({"type": "response.created", "sequence_number": 0, "response": resp})]
+            # several events per batch, as the pump yields what one upstream read carried
+            yield [ClientEvent.of({"type": "response.output_text.delta", "sequence_number": i, "delta": f"{i} "})
+                   for i in range(1, self.n - 1)]
             done = {**resp, "status": "completed"}
-            yield encode("response.completed", orjson.dumps({"type": "response.completed",
-                                                             "sequence_number": self.n - 1,
-                                                             "response": done}).decode())
+            yield [ClientEvent.of({"type": "response.completed", "sequence_number": self.n - 1, "response": done})]
 
         return Streamed(frames())
 
@@ -475,17 +473,17 @@ async def test_a_follower_that_falls_behind_is_dropped_and_catches_up_from_the_s
     await runs.start()
     try:
         n = 300
-        outcome = await runs.start_run(_FastProducer(n), {"model": "m", "input": "x", "stream": True,  # type: ignore[arg-type]
-                                                           "background": True}, {}, None,
+        outcome = await runs.start_run(_FastProducer(n).respond, {"model": "m", "input": "x", "stream": True,
+                                                                   "background": True}, {}, None,
                                        RequestRecord(request_id="r", route="t"))
         assert isinstance(outcome, Streamed)
-        follower = outcome.frames
-        first = await follower.__anext__()
+        follower = outcome.events
+        first = encode_events(await follower.__anext__())
         assert first.startswith(b"event: response.created")
         [run] = runs.runs.values()
         assert run.task is not None
         await run.task  # the follower read nothing meanwhile: it was dropped from the live feed
-        rest = [f async for f in follower]
+        rest = [encode_events(f) async for f in follower]
         seqs = [orjson.loads(f.split(b"data: ", 1)[1])["sequence_number"] for f in [first, *rest]]
         assert seqs == list(range(n))
         assert rest[-1].startswith(b"event: response.completed")

@@ -10,7 +10,8 @@ import orjson
 import pytest
 
 from gateway.errors import InvalidRequest
-from gateway.protocol.sse import SseParser
+from gateway.protocol.events import ClientEvent
+from gateway.protocol.sse import SseParser, encode_events
 from gateway.runtime import new_id
 from gateway.translate.chat import ChatToResponsesEvents, build_chat_request, chat_messages
 from gateway.translate.restore import build_request_state
@@ -104,15 +105,15 @@ def _translate_chat_stream(raw: bytes, request: dict[str, Any], chunk: int | Non
                                        ids=new_id)
     conv = ChatToResponsesEvents(model="tiny", ids=new_id, clock=time.time)
     parser = SseParser()
-    out: list[bytes] = []
+    out: list[ClientEvent] = []
     pieces = [raw] if chunk is None else [raw[i:i + chunk] for i in range(0, len(raw), chunk)]
     for piece in pieces:
         for _event, data in parser.feed(piece):
             events = conv.done() if data == "[DONE]" else conv.feed(orjson.loads(data))
-            for etype, edata in events:
-                out += translator.feed(etype, edata)
+            for ev in events:
+                out += translator.feed(ev)
     out += translator.finish()
-    return sse_events(b"".join(out)), translator
+    return sse_events(encode_events(out)), translator
 
 
 CHAT_STREAMS = [p for folder in ("vllm", "synthesized") for p in sorted((CASSETTES / folder).glob("chat_*_stream.yaml"))
@@ -183,8 +184,8 @@ def test_non_streamed_completion_gives_the_same_items() -> None:
     ctx = resolve_tool_context(request)
     translator = FunctionSseTranslator(build_request_state(request, ctx, response_id="resp_t", created_at=1),
                                        ids=new_id)
-    for etype, data in chat_completion_events(payload, ChatToResponsesEvents(ids=new_id, clock=time.time)):
-        translator.feed(etype, data)
+    for ev in chat_completion_events(payload, ChatToResponsesEvents(ids=new_id, clock=time.time)):
+        translator.feed(ev)
     final = translator.final_response
     assert final is not None and final["status"] == "completed"
     assert [i["type"] for i in final["output"]] == ["reasoning", "function_call", "function_call"]

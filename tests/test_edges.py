@@ -16,9 +16,9 @@ from websockets.exceptions import InvalidStatus
 
 from gateway.cli import startup_warnings
 from gateway.config import Settings
+from gateway.engine.record import RequestRecord
 from gateway.server.guard import HostRule, origin_allowed
 from gateway.server.metrics import GatewayMetrics
-from gateway.server.record import RequestRecord
 from gateway.store import SqliteResponseStore
 from tests.ops_support import FakeVllm, fake_vllm, gateway, wait_for
 from tests.support import running_gateway, serve_in_thread

@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from gateway.enforce.runner import Plan, plan_for
+from gateway.enforce.plan import Plan, plan_for
 from gateway.enforce.validate import check_call, check_pinned_output, load_lark
 from gateway.translate.tool_context import resolve_tool_context
 from tests.invariants import check_stream

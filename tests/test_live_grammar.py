@@ -27,7 +27,7 @@ from starlette.routing import Route
 from structlog.testing import capture_logs
 
 from gateway.config import Settings
-from gateway.enforce import runner
+from gateway.engine import enforcer as runner
 from gateway.translate.custom_input import InputDecoder
 from gateway.upstream.replay import load_cassette
 from tests.invariants import check_stream
@@ -246,3 +246,81 @@ def test_named_tool_choice_without_a_chat_endpoint_is_answered_under_validate_no
     assert r.status_code == 200, r.text
     assert r.json()["status"] == "failed" and r.json()["error"]["code"] == "tool_choice_violation"
     assert [p for p, _ in up.requests].count("/v1/responses") == 2
+
+
+def _chat_frames(text: list[str], call_id: str, name: str, args: list[str]) -> list[bytes]:
+    """vLLM's /v1/chat/completions stream shape: assistant text, then one tool call whose arguments stream."""
+    head = {"id": "chatcmpl-00000000000000c1", "object": "chat.completion.chunk", "created": 1, "model": "tiny"}
+
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
+        return b"data: " + orjson.dumps({**head, "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                                                              "finish_reason": finish}]}) + b"\n\n"
+
+    out = [chunk({"role": "assistant", "content": ""})]
+    out += [chunk({"content": piece}) for piece in text]
+    out.append(chunk({"tool_calls": [{"index": 0, "id": call_id, "type": "function",
+                                      "function": {"name": name, "arguments": ""}}]}))
+    out += [chunk({"tool_calls": [{"index": 0, "function": {"arguments": piece}}]}) for piece in args]
+    out.append(chunk({}, "tool_calls"))
+    usage = {"prompt_tokens": 300, "completion_tokens": 40, "total_tokens": 340}
+    out.append(b"data: " + orjson.dumps({**head, "choices": [], "usage": usage}) + b"\n\n")
+    return [*out, b"data: [DONE]\n\n"]
+
+
+class PacedChatUpstream(PacedUpstream):
+    """``--upstream-api chat``: the answer itself comes from /v1/chat/completions too (a message, then an
+    apply_patch call whose input does NOT match the grammar); a request with ``structured_outputs`` (the
+    takeover step) gets the recorded constrained stream."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.answer_frames = _chat_frames(["I will ", "patch ", "it now."], "chatcmpl-tool-00000000000000a1",
+                                          "apply_patch",
+                                          args_deltas({"input": "*** Begin Patch\nnot a patch at all, sorry"},
+                                                      pieces=20))
+
+    def app(self) -> Starlette:
+        async def paced(path: str, frames: list[bytes]) -> StreamingResponse:
+            async def gen():  # type: ignore[no-untyped-def]
+                self.closed_early[path] = True
+                sent = self.sent_at[path] = []
+                for frame in frames:
+                    yield frame
+                    self.last_frame_at[path] = time.monotonic()
+                    sent.append(self.last_frame_at[path])
+                    await asyncio.sleep(PACE)
+                self.closed_early[path] = False
+
+            return StreamingResponse(gen(), media_type="text/event-stream")
+
+        async def chat(request: Request) -> Any:
+            body = orjson.loads(await request.body())
+            self.requests.append(("/v1/chat/completions", body))
+            if "structured_outputs" in body:
+                return await paced("step", self.chat_frames)
+            return await paced("answer", self.answer_frames)
+
+        return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"])])
+
+
+def test_the_chat_path_grammar_takeover_fires_on_upstream_api_chat() -> None:
+    """--upstream-api chat: the upstream's events are built by the gateway (converted chat chunks), and a grammar
+    call opening among them is taken over exactly as on the Responses path."""
+    up = PacedChatUpstream()
+    with serve_in_thread(up.app()) as (up_url, _), \
+            running_gateway(Settings(upstream_url=up_url, store="none", upstream_api="chat")) as url:
+        timed = stream_with_times(url, request_body())
+        text = metrics(url)
+    events = [e for _, e in timed]
+    summary = check_stream(events, request_body())
+    message, call = summary["items"]
+    assert message["type"] == "message" and call["type"] == "custom_tool_call"
+    assert call["status"] == "completed"
+    lark.Lark(GRAMMAR, parser="earley").parse(call["input"])
+    assert "not a patch" not in "".join(orjson.dumps(e).decode() for e in events)
+    answer, step = [b for _, b in up.requests]
+    assert "structured_outputs" not in answer
+    assert step["structured_outputs"] == {"grammar": GRAMMAR} and step["stream"] is True
+    assert step["messages"][1] == {"role": "assistant", "content": "I will patch it now."}
+    assert up.closed_early["answer"] is True  # the upstream's own (invalid) generation was closed
+    assert 'responses_gateway_tool_choice_enforcement_total{outcome="constrained"} 1.0' in text

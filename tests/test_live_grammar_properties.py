@@ -17,10 +17,10 @@ import lark
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.enforce.live import GrammarTakeover
-from gateway.protocol.sse import SseParser
+from gateway.engine.takeover import GrammarTakeover
+from gateway.protocol.events import ClientEvent, UpstreamEvent
+from gateway.protocol.sse import SseParser, encode_events
 from gateway.runtime import new_id
-from gateway.translate.chat import Event
 from gateway.translate.restore import build_request_state
 from gateway.translate.tool_context import resolve_tool_context
 from gateway.translate.translator import FunctionSseTranslator
@@ -85,15 +85,15 @@ async def _run(body: bytes, cuts: list[int], step_cuts: list[int], constrain: bo
     state = build_request_state(REQUEST, resolve_tool_context(REQUEST), response_id="resp_1", created_at=1)
     translator = FunctionSseTranslator(state, ids=new_id)
 
-    async def batches() -> AsyncIterator[list[Event]]:
+    async def batches() -> AsyncIterator[list[UpstreamEvent]]:
         parser = SseParser()
         for chunk in _cut(body, cuts):
             events = parser.feed(chunk)
             if events:
-                yield events
+                yield [UpstreamEvent(event, data) for event, data in events]
 
     up = UpstreamResponse(httpx.Response(200, stream=_Chunks([])))
-    source: AsyncIterator[list[Event]] = batches()
+    source: AsyncIterator[list[UpstreamEvent]] = batches()
     if constrain:
         async def open_step(info: Any, text: str) -> UpstreamResponse:
             return UpstreamResponse(httpx.Response(200, stream=_Chunks(_cut(RECORDED.body, step_cuts))))
@@ -104,14 +104,14 @@ async def _run(body: bytes, cuts: list[int], step_cuts: list[int], constrain: bo
             return translator.acc.snapshot, ""
 
         source = GrammarTakeover(state.ctx, enforcer, so_far, open_step).run(source, up)  # type: ignore[arg-type]
-    out: list[bytes] = []
+    out: list[ClientEvent] = []
     async for events in source:
-        for event, data in events:
-            out += translator.feed(event, data)
+        for ev in events:
+            out += translator.feed(ev)
         if translator.finished:
             break
     out += translator.finish()
-    return sse_events(b"".join(out))
+    return sse_events(encode_events(out))
 
 
 def _types(items: list[dict[str, Any]]) -> list[str]:

@@ -8,8 +8,8 @@ import signal
 import httpx
 import structlog
 
+from gateway.engine.record import RequestRecord
 from gateway.server.observe import Observer
-from gateway.server.record import RequestRecord
 from tests.ops_support import FakeVllm, fake_vllm, gateway
 from tests.test_ops_shutdown import gateway_process
 

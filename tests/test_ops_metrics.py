@@ -5,8 +5,8 @@ from __future__ import annotations
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.engine.record import RequestRecord
 from gateway.server.metrics import METRICS, GatewayMetrics, metrics_table
-from gateway.server.record import RequestRecord
 from tests.ops_support import FakeVllm, fake_vllm, gateway, wait_for
 from tests.support import replay, sse_events
 

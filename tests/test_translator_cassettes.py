@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from gateway.protocol.sse import SseParser
+from gateway.protocol.events import ClientEvent, UpstreamEvent
+from gateway.protocol.sse import SseParser, encode_events
 from gateway.runtime import new_id
 from gateway.translate.restore import build_request_state, restore_output, restore_response
 from gateway.translate.tool_context import resolve_tool_context
@@ -52,15 +53,15 @@ def translate(body: bytes, request: dict[str, Any], chunk: int | None = None) ->
     state = build_request_state(request, resolve_tool_context(request), response_id="resp_test", created_at=1)
     tr = FunctionSseTranslator(state, ids=new_id)
     parser = SseParser()
-    out: list[bytes] = []
+    out: list[ClientEvent] = []
     chunks = [body] if chunk is None else [body[i : i + chunk] for i in range(0, len(body), chunk)]
     for c in chunks:
         for event, data in parser.feed(c):
-            out += tr.feed(event, data)
+            out += tr.feed(UpstreamEvent(event, data))
     for event, data in parser.close():
-        out += tr.feed(event, data)
+        out += tr.feed(UpstreamEvent(event, data))
     out += tr.finish()
-    return sse_events(b"".join(out)), tr
+    return sse_events(encode_events(out)), tr
 
 
 def stream_cassettes() -> list[Path]:
@@ -188,14 +189,14 @@ def test_unnamed_call_buffer_is_bounded() -> None:
     state = build_request_state(request, resolve_tool_context(request), response_id="r", created_at=1)
     tr = FunctionSseTranslator(state, ids=new_id)
     parser = SseParser()
-    out: list[bytes] = []
+    out: list[ClientEvent] = []
     fed = 0
     for event, data in parser.feed(s.body()):
         fed += 1
-        out += tr.feed(event, data)
+        out += tr.feed(UpstreamEvent(event, data))
         if tr.finished:
             break
-    events = sse_events(b"".join(out))
+    events = sse_events(encode_events(out))
     check_stream(events)
     assert events[-1]["type"] == "response.failed"
     assert events[-1]["response"]["error"]["code"] == "unnamed_call_buffer_overflow"

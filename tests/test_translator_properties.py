@@ -7,7 +7,8 @@ import json
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.protocol.sse import SseParser
+from gateway.protocol.events import ClientEvent, UpstreamEvent
+from gateway.protocol.sse import SseParser, encode_events
 from gateway.runtime import new_id
 from gateway.translate.custom_input import InputDecoder, final_input
 from gateway.translate.restore import build_request_state
@@ -36,17 +37,17 @@ def run(body: bytes, byte_cuts: list[int], request: dict) -> list[dict]:
     state = build_request_state(request, resolve_tool_context(request), response_id="r", created_at=1)
     tr = FunctionSseTranslator(state, ids=new_id)
     parser = SseParser()
-    out: list[bytes] = []
+    out: list[ClientEvent] = []
     pts = sorted({p % (len(body) + 1) for p in byte_cuts})
     prev = 0
     for p in [*pts, len(body)]:
         for event, data in parser.feed(body[prev:p]):
-            out += tr.feed(event, data)
+            out += tr.feed(UpstreamEvent(event, data))
         prev = p
     for event, data in parser.close():
-        out += tr.feed(event, data)
+        out += tr.feed(UpstreamEvent(event, data))
     out += tr.finish()
-    return sse_events(b"".join(out))
+    return sse_events(encode_events(out))
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -22,8 +22,9 @@ from typing import Any
 
 import orjson
 
+from gateway.protocol.events import UpstreamEvent
 from gateway.runtime import new_id
-from gateway.translate.chat import Event, add_usage, chat_usage
+from gateway.translate.chat import add_usage, chat_usage
 from gateway.translate.tool_context import ToolInfo
 
 __all__ = ["ContentAsCall", "InputContinuation", "args_request", "constraint_for", "pick_request"]
@@ -164,7 +165,7 @@ class InputContinuation:
     """A constrained step's chat chunks -> the rest of one *already announced* upstream call. Pure.
 
     Used when the upstream opened a grammar custom call under ``tool_choice: auto`` and the gateway took
-    over its input (``gateway.enforce.live``): the client has seen the call's ``output_item.added`` under
+    over its input (``gateway.engine.takeover``): the client has seen the call's ``output_item.added`` under
     the upstream's item id and output index; the step's ``delta.content`` pieces continue that same item as
     ``function_call_arguments.delta`` events (the content JSON-escaped inside ``{"input": "…"}``, which the
     translator decodes into ``custom_tool_call_input.delta``), the step's finish closes it, and the end of
@@ -191,23 +192,23 @@ class InputContinuation:
     def text(self) -> str:
         return "".join(self.content)
 
-    def _ev(self, etype: str, payload: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    def _ev(self, etype: str, payload: dict[str, Any]) -> UpstreamEvent:
         """An event as the translator takes it, already parsed (never serialized only to be parsed again)."""
         payload["type"] = etype
         payload["sequence_number"] = -1  # the translator numbers what it emits
-        return etype, payload
+        return UpstreamEvent(etype, "", payload)
 
-    def _delta(self, piece: str) -> tuple[str, dict[str, Any]]:
+    def _delta(self, piece: str) -> UpstreamEvent:
         self._args.append(piece)
         return self._ev("response.function_call_arguments.delta", {
             "delta": piece, "item_id": self.item.get("id"), "output_index": self.output_index})
 
-    def start(self) -> list[Event]:
+    def start(self) -> list[UpstreamEvent]:
         """The argument prefix: no input yet, so the client sees nothing from it."""
         return [self._ev("response.function_call_arguments.delta", {
             "delta": self._args[0], "item_id": self.item.get("id"), "output_index": self.output_index})]
 
-    def feed(self, chunk: Mapping[str, Any]) -> list[Event]:
+    def feed(self, chunk: Mapping[str, Any]) -> list[UpstreamEvent]:
         if self.finished:
             return []
         err = chunk.get("error")
@@ -219,7 +220,7 @@ class InputContinuation:
         usage = chat_usage(chunk.get("usage"))
         if usage is not None:
             self.usage = usage
-        out: list[Event] = []
+        out: list[UpstreamEvent] = []
         for choice in chunk.get("choices") or ():
             if not isinstance(choice, dict) or choice.get("index", 0) != 0:
                 continue
@@ -233,7 +234,7 @@ class InputContinuation:
                 out += self._close()
         return out
 
-    def _close(self) -> list[tuple[str, dict[str, Any]]]:
+    def _close(self) -> list[UpstreamEvent]:
         self._closed = True
         out = [self._delta('"}')]
         args = "".join(self._args)
@@ -244,7 +245,7 @@ class InputContinuation:
         out.append(self._ev("response.output_item.done", {"item": dict(self.item), "output_index": self.output_index}))
         return out
 
-    def done(self) -> list[Event]:
+    def done(self) -> list[UpstreamEvent]:
         """The step's stream ended: the response's terminal event (nothing if it never finished the call:
         the translator then fails the response rather than leave the client hanging)."""
         if self.finished or not self._closed:

@@ -1,4 +1,5 @@
-"""SSE framing for the Responses stream: bytes in, ``(type, data)`` pairs out, and back.
+"""SSE framing for the Responses stream: bytes in, ``(type, data)`` pairs out; client events back out as frames (the
+gateway's one SSE encoder).
 
 Parsing uses httpx-sse's line and event decoders. They live in its private ``_decoders`` module: its
 public API only wraps an httpx response, and the translator must stay sans-I/O (it is fed bytes by
@@ -8,19 +9,18 @@ the server and by tests that re-chunk recorded streams), so we drive the decoder
 from __future__ import annotations
 
 import codecs
+from collections.abc import Iterable
 
 from httpx_sse._decoders import SSEDecoder, SSELineDecoder
 
-__all__ = ["SseParser", "encode", "encode_comment"]
+from gateway.protocol.events import ClientEvent
+
+__all__ = ["SseParser", "encode_events"]
 
 
-def encode(event_type: str, data: str) -> bytes:
-    """One frame in the shape vLLM and OpenAI send: ``event:`` line, one ``data:`` line, blank line."""
-    return f"event: {event_type}\ndata: {data}\n\n".encode()
-
-
-def encode_comment(text: str) -> bytes:
-    return f": {text}\n\n".encode()
+def encode_events(events: Iterable[ClientEvent]) -> bytes:
+    """Client events as SSE frames: the gateway's one SSE encoder (``event:`` line, one ``data:`` line)."""
+    return b"".join([b"event: " + ev.type.encode() + b"\ndata: " + ev.data + b"\n\n" for ev in events])
 
 
 class SseParser:

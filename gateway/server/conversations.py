@@ -1,6 +1,6 @@
 """The Conversations API (``/v1/conversations``) and the hook ``POST /v1/responses`` uses for
 ``conversation``: the conversation's items as history (the turn's items are appended by the response's own
-store write, gateway.server.responses, in the record's transaction).
+store write, gateway.engine.respond, in the record's transaction).
 
 Every endpoint is scoped to the caller's owner (gateway.server.auth.request_owner): another owner's
 conversation or item answers 404 exactly as an unknown id does.
@@ -9,7 +9,7 @@ conversation or item answers 404 exactly as an unknown id does.
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,48 +19,23 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from gateway.engine.record import RequestRecord
 from gateway.errors import InvalidRequest, NotFound
-from gateway.protocol.conversations import check_metadata, conversation_item, conversation_ref, request_items
+from gateway.protocol.conversations import check_metadata, conversation_item, request_items
 from gateway.runtime import new_id
 from gateway.server.auth import request_owner
 from gateway.server.http import OrjsonResponse, list_query, read_body
-from gateway.server.record import RequestRecord
 from gateway.store import CursorNotFoundError, HistoryTooLargeError, ResponseStore, StoredConversation
 
 log = structlog.get_logger("gateway.conversations")
 
-__all__ = ["APPENDED_STATUSES", "ConversationsApi", "conversation_history"]
+__all__ = ["ConversationsApi"]
 
 Handler = Callable[[Request, RequestRecord], Awaitable[Response]]
 Wrap = Callable[[str, Handler], Callable[[Request], Awaitable[Response]]]
 
-# A response's turn joins its conversation when it ends with model output; a failed one adds nothing.
-APPENDED_STATUSES = frozenset({"completed", "incomplete"})
-
-
 def _conversation_not_found(conversation_id: str, param: str = "conversation_id") -> NotFound:
     return NotFound(f"Conversation with id '{conversation_id}' not found.", param=param)
-
-
-# ---------------------------------------------------------------------------- hooks for POST /v1/responses
-
-async def conversation_history(store: ResponseStore | None, body: Mapping[str, Any], owner: str | None,
-                               max_bytes: int | None = None) -> list[dict[str, Any]] | None:
-    """The items of the conversation the request names, oldest first (public form, like the history of a
-    ``previous_response_id`` chain); None when it names none. HistoryTooLargeError past ``max_bytes``."""
-    conversation_id = conversation_ref(body)
-    if conversation_id is None:
-        return None
-    if body.get("previous_response_id"):
-        raise InvalidRequest("Mutually exclusive parameters: provide only one of 'previous_response_id' or "
-                             "'conversation'.", param="conversation", code="mutually_exclusive_parameters")
-    if store is None:
-        raise InvalidRequest("conversation needs a response store, and this gateway runs with --store none.",
-                             param="conversation", code="store_disabled")
-    items = await store.get_conversation_items(conversation_id, owner=owner, max_bytes=max_bytes)
-    if items is None:
-        raise _conversation_not_found(conversation_id, param="conversation")
-    return items
 
 
 # ---------------------------------------------------------------------------- the endpoints

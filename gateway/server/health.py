@@ -14,10 +14,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import anyio
-import httpx
 
-from gateway.errors import GatewayError, UpstreamTimeout, UpstreamUnavailable
-from gateway.upstream.client import map_transport_error
+from gateway.errors import GatewayError
+from gateway.upstream.client import UpstreamClient
 
 __all__ = ["MetricsAnswer", "Readiness", "ReadyState", "UpstreamMetrics"]
 
@@ -38,7 +37,7 @@ class Readiness:
         self._cached: tuple[float, ReadyState] | None = None
         self._lock = anyio.Lock()
 
-    async def check(self, http: httpx.AsyncClient, headers: dict[str, str] | None = None) -> ReadyState:
+    async def check(self, upstream: UpstreamClient) -> ReadyState:
         if self.draining():
             return ReadyState(False, "draining")
         now = time.monotonic()
@@ -48,21 +47,17 @@ class Readiness:
         async with self._lock:
             if self._cached is not None and time.monotonic() - self._cached[0] < self.cache_ttl:
                 return self._cached[1]
-            state = await self._probe(http, headers or {})
+            state = await self._probe(upstream)
             self._cached = (time.monotonic(), state)
             return state
 
-    async def _probe(self, http: httpx.AsyncClient, headers: dict[str, str]) -> ReadyState:
+    async def _probe(self, upstream: UpstreamClient) -> ReadyState:
         self.probes += 1
-        try:
-            with anyio.fail_after(self.timeout):  # covers a server that accepts but never answers
-                response = await http.get("/health", headers=headers, timeout=self.timeout)
-        except (TimeoutError, httpx.TimeoutException):
-            return ReadyState(False, f"upstream /health did not answer within {self.timeout:g} s")
-        except httpx.HTTPError as exc:  # connection refused: vLLM is still loading (or gone)
-            return ReadyState(False, f"upstream unreachable ({type(exc).__name__})")
-        if response.status_code != 200:
-            return ReadyState(False, f"upstream /health answered HTTP {response.status_code}")
+        status = await upstream.health_status(self.timeout)
+        if isinstance(status, str):  # no answer in time, or unreachable: vLLM is still loading (or gone)
+            return ReadyState(False, status)
+        if status != 200:
+            return ReadyState(False, f"upstream /health answered HTTP {status}")
         return ReadyState(True)
 
 
@@ -86,28 +81,17 @@ class UpstreamMetrics:
         self._cached: tuple[float, MetricsAnswer | GatewayError] | None = None
         self._lock = anyio.Lock()
 
-    async def get(self, http: httpx.AsyncClient, headers: dict[str, str]) -> MetricsAnswer:
+    async def get(self, upstream: UpstreamClient) -> MetricsAnswer:
         cached = self._cached
         if cached is None or time.monotonic() - cached[0] >= self.cache_ttl:
             async with self._lock:
                 cached = self._cached
                 if cached is None or time.monotonic() - cached[0] >= self.cache_ttl:
-                    cached = self._cached = (time.monotonic(), await self._fetch(http, headers))
+                    cached = self._cached = (time.monotonic(), await self._fetch(upstream))
         if isinstance(cached[1], GatewayError):
             raise copy.copy(cached[1])  # one instance per raise: concurrent raisers would share a traceback
         return cached[1]
 
-    async def _fetch(self, http: httpx.AsyncClient, headers: dict[str, str]) -> MetricsAnswer | GatewayError:
-        try:
-            with anyio.fail_after(self.timeout):
-                async with http.stream("GET", "/metrics", headers=headers, timeout=self.timeout) as up:
-                    body = bytearray()
-                    async for chunk in up.aiter_bytes():
-                        body += chunk
-                        if len(body) > self.max_bytes:
-                            return UpstreamUnavailable(f"The upstream's metrics exceed {self.max_bytes} bytes.")
-                    return MetricsAnswer(up.status_code, bytes(body), up.headers.get("content-type", ""))
-        except TimeoutError:
-            return UpstreamTimeout(f"The upstream's metrics did not come within {self.timeout:g} s.")
-        except httpx.HTTPError as exc:
-            return map_transport_error(exc)
+    async def _fetch(self, upstream: UpstreamClient) -> MetricsAnswer | GatewayError:
+        got = await upstream.fetch_metrics(self.timeout, self.max_bytes)
+        return got if isinstance(got, GatewayError) else MetricsAnswer(*got)

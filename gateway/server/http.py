@@ -14,6 +14,8 @@ from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
 from gateway.errors import GatewayError, InvalidRequest, PayloadTooLarge
+from gateway.protocol.events import ClientEvent
+from gateway.protocol.sse import encode_events
 from gateway.server.decompress import body_decoder
 
 __all__ = ["CLIENT_CLOSED_REQUEST", "BodyTimeout", "ClientLeft", "OrjsonResponse", "SseResponse", "buffer_body",
@@ -186,7 +188,8 @@ async def cancel_on_disconnect(request: Request, handler: Callable[[Request], Aw
 
 
 class SseResponse(Response):
-    """Streams ``body`` as ``text/event-stream`` and cancels it when the client disconnects.
+    """Streams ``body`` (client event batches, encoded by gateway.protocol.sse) as ``text/event-stream`` and cancels
+    it when the client disconnects.
 
     Starlette's StreamingResponse only notices a disconnect when a write fails (ASGI spec 2.4 servers), but
     the upstream may be silent for a long time while the model thinks; listening on ``receive`` makes the
@@ -195,7 +198,7 @@ class SseResponse(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, body: AsyncIterator[bytes], *, status_code: int = 200,
+    def __init__(self, body: AsyncIterator[list[ClientEvent]], *, status_code: int = 200,
                  headers: Mapping[str, str] | None = None,
                  on_disconnect: Callable[[], Awaitable[None] | None] | None = None) -> None:
         self.body_iterator = body
@@ -229,8 +232,9 @@ class SseResponse(Response):
         watcher = asyncio.get_running_loop().create_task(watch())
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            async for chunk in self.body_iterator:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            async for batch in self.body_iterator:
+                if batch:
+                    await send({"type": "http.response.body", "body": encode_events(batch), "more_body": True})
             body_done = True
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:

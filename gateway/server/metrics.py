@@ -21,7 +21,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
-from gateway.server.record import RequestRecord
+from gateway.engine.record import RequestRecord
 
 __all__ = ["CONTENT_TYPE_LATEST", "METRICS", "GatewayMetrics", "MetricSpec", "metrics_table"]
 

@@ -16,7 +16,7 @@ from typing import Any
 import orjson
 import structlog
 
-from gateway.server.record import RequestRecord
+from gateway.engine.record import RequestRecord
 
 __all__ = ["Observer", "configure_logging", "ensure_logging"]
 

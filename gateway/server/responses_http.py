@@ -1,17 +1,18 @@
 """``POST /v1/responses`` over HTTP: the body read (bounded, decompressed) and parsed, the producer's outcome as
 a starlette response — SSE for a stream, JSON otherwise. Everything else lives in the transport-independent
-producer (gateway.server.responses)."""
+producer (gateway.engine.respond)."""
 
 from __future__ import annotations
 
 from starlette.requests import Request
 from starlette.responses import Response
 
+from gateway.engine.outcome import Outcome, Streamed
+from gateway.engine.record import RequestRecord
+from gateway.engine.respond import ResponsesHandler
 from gateway.protocol.request import parse_request_body
 from gateway.server.auth import request_owner
 from gateway.server.http import OrjsonResponse, SseResponse, read_body
-from gateway.server.record import RequestRecord
-from gateway.server.responses import Outcome, ResponsesHandler, Streamed
 
 __all__ = ["create_response", "http_response"]
 
@@ -27,7 +28,7 @@ async def create_response(handler: ResponsesHandler, request: Request, record: R
 def http_response(outcome: Outcome, record: RequestRecord) -> Response:
     headers = {"x-request-id": record.request_id}
     if isinstance(outcome, Streamed):
-        return SseResponse(outcome.frames, headers=headers, on_disconnect=lambda: _mark_disconnect(record))
+        return SseResponse(outcome.events, headers=headers, on_disconnect=lambda: _mark_disconnect(record))
     return OrjsonResponse(outcome.payload, status_code=outcome.status, headers=headers)
 
 

@@ -12,7 +12,7 @@ Sequence on the first SIGTERM/SIGINT:
 5. Requests still running ``ABORT_GRACE`` seconds later (non-streamed ones waiting on the upstream) are
    cancelled by uvicorn, the lifespan closes the upstream client and the store, and the process exits 0.
 
-Background responses (gateway.server.background) belong to no connection: the lifespan's shutdown gives them
+Background responses (gateway.engine.background) belong to no connection: the lifespan's shutdown gives them
 what is left of the same period (``drain_timeout`` + ``ABORT_GRACE`` from ``Drain.began_at``; their upstream
 reads are aborted with the streams' in step 4, so they end ``response.failed``), then stops the ones still
 going and marks them failed (``gateway_stopped``) in the store before it closes.
@@ -30,92 +30,19 @@ import contextlib
 import signal
 import socket
 import threading
-import time
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Generator
+from collections.abc import Generator
 from types import FrameType
-from typing import Any, TypeVar
+from typing import Any
 
 import structlog
 import uvicorn
 
 from gateway.config import Settings
+from gateway.engine.drain import ABORT_GRACE, Drain, ShuttingDown
 
 log = structlog.get_logger("gateway.shutdown")
 
 __all__ = ["ABORT_GRACE", "Drain", "DrainingServer", "ShuttingDown", "serve_until_stopped"]
-
-T = TypeVar("T")
-
-# Time the failed frames get to reach clients after the abort, before uvicorn cancels what is left.
-ABORT_GRACE = 5.0
-
-
-class ShuttingDown(Exception):
-    """Raised inside a stream's upstream read once the drain period is over."""
-
-
-class Drain:
-    def __init__(self) -> None:
-        self.draining = False
-        self.aborted = False
-        self.began_at: float | None = None  # time.monotonic() of the first begin(): background runs' deadline
-        self._reads: set[asyncio.Task[Any]] = set()
-        self._cancelled: set[asyncio.Task[Any]] = set()
-        self.on_abort: list[Callable[[], None]] = []  # once per stream ended by abort() (a metric)
-
-    @property
-    def active_reads(self) -> int:
-        return len(self._reads)
-
-    def begin(self) -> None:
-        """Safe to call from a signal handler: it only sets flags."""
-        self.draining = True
-        if self.began_at is None:
-            self.began_at = time.monotonic()
-
-    def abort(self) -> None:
-        """End every stream still reading from the upstream (must run on the event loop)."""
-        self.draining = True
-        self.aborted = True
-        for task in list(self._reads):
-            self._cancelled.add(task)
-            task.cancel()
-
-    async def guard(self, chunks: AsyncIterable[T]) -> AsyncIterator[T]:
-        """``chunks`` (upstream bytes or event batches), but raising ``ShuttingDown`` once ``abort()`` ran,
-        even while an upstream read is pending (a model thinking for minutes must not hold the shutdown).
-
-        ``abort()`` cancels the task while it waits in a read; the read's ``CancelledError`` is turned into
-        ``ShuttingDown`` only when that cancellation is ours (``uncancel()`` leaves none pending). This costs
-        a set insertion per read, where a cancel scope per read cost a measurable share of the frame path.
-        """
-        iterator = chunks.__aiter__()
-        task = asyncio.current_task()
-        assert task is not None
-        while True:
-            if self.aborted:
-                self._aborted_one()
-                raise ShuttingDown
-            self._reads.add(task)
-            try:
-                chunk = await iterator.__anext__()
-            except StopAsyncIteration:
-                return
-            except asyncio.CancelledError:
-                if task in self._cancelled:
-                    self._cancelled.discard(task)
-                    if task.uncancel() == 0:
-                        self._aborted_one()
-                        raise ShuttingDown from None
-                raise
-            finally:
-                self._reads.discard(task)
-            yield chunk
-
-    def _aborted_one(self) -> None:
-        for callback in self.on_abort:
-            callback()
-
 
 class DrainingServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, drain: Drain, drain_timeout: float) -> None:

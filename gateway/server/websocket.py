@@ -29,13 +29,15 @@ import orjson
 import structlog
 from starlette.websockets import WebSocket
 
+from gateway.engine.outcome import Answered, Turn
+from gateway.engine.record import RequestRecord
+from gateway.engine.respond import ResponsesHandler
 from gateway.errors import GatewayError, InvalidRequest, RateLimited, ServiceUnavailable
+from gateway.protocol.events import ClientEvent
 from gateway.protocol.request import parse_request_body
 from gateway.server.auth import request_owner, unauthorized, verdict
 from gateway.server.http import OrjsonResponse
 from gateway.server.limits import WEBSOCKETS, ConcurrencyLimiter, Slot
-from gateway.server.record import RequestRecord
-from gateway.server.responses import Answered, ResponsesHandler, Turn
 
 log = structlog.get_logger("gateway.websocket")
 
@@ -49,7 +51,6 @@ CLOSE_GOING_AWAY = 1001
 CLOSE_TRY_AGAIN_LATER = 1013
 # Client message types this endpoint knows (the websocket_messages label takes these, or "other").
 MESSAGE_TYPES = frozenset({"response.create"})
-_DATA = b"\ndata: "
 
 
 class ConnectionCache:
@@ -339,16 +340,17 @@ class _Connection:
             return
         record.status = 200
         final: dict[str, Any] | None = None
-        frames = outcome.frames
+        frames = outcome.events
         try:
-            async for chunk in frames:
-                if record.ttfb is None:
+            async for batch in frames:
+                if record.ttfb is None and batch:
                     record.ttfb = time.perf_counter() - record.started
-                for etype, data in _events(chunk):
-                    await self._send(_with_lane(data, lane).decode())
-                    record.response_bytes += len(data)
-                    if etype in _TERMINALS:
-                        final = _terminal(data) or final
+                for event in batch:
+                    data = ws_text(event, lane)
+                    await self._send(data)
+                    record.response_bytes += len(event.data)
+                    if event.terminal:
+                        final = _terminal(event) or final
         except asyncio.CancelledError:
             record.disconnected = True
             raise
@@ -359,20 +361,12 @@ class _Connection:
                                          *(i for i in final.get("output") or () if isinstance(i, dict))])
 
 
-def _events(chunk: bytes) -> list[tuple[bytes, bytes]]:
-    """``(event type, JSON)`` of each SSE frame in ``chunk`` (the gateway's own: ``event: X\\ndata: {json}\\n\\n``)."""
-    out = []
-    for frame in chunk.split(b"\n\n"):
-        at = frame.find(_DATA)
-        if at >= 0:
-            out.append((frame[len(b"event: "):at] if frame.startswith(b"event: ") else b"", frame[at + len(_DATA):]))
-    return out
+def ws_text(event: ClientEvent, lane: bytes | None) -> str:
+    """A client event as a WebSocket text frame (the WebSocket mode's one encoder): its JSON, with the request's
+    ``stream_id`` when it has one."""
+    return _with_lane(event.data, lane).decode()
 
 
-_TERMINALS = frozenset({b"response.completed", b"response.incomplete", b"response.failed"})
-
-
-def _terminal(data: bytes) -> dict[str, Any] | None:
-    event = orjson.loads(data)
-    response = event.get("response")
+def _terminal(event: ClientEvent) -> dict[str, Any] | None:
+    response = event.payload.get("response")
     return response if isinstance(response, dict) and isinstance(response.get("id"), str) else None

@@ -21,7 +21,7 @@ DEFAULT_MAX_CHAIN_DEPTH = 1000
 RUNNING_STATUSES = ("queued", "in_progress")
 
 # A background-response notification: (response_id, what), what being the last sequence number written (as
-# text) or "cancel". A hint only: listeners re-read the store (gateway.server.background).
+# text) or "cancel". A hint only: listeners re-read the store (gateway.engine.background).
 EventListener = Callable[[str, str], None]
 
 
@@ -161,7 +161,7 @@ class ResponseStore(ABC):
 
     # ------------------------------------------------------------------ background responses
     #
-    # A background response (gateway.server.background) is a responses row with ``background`` set, a lease
+    # A background response (gateway.engine.background) is a responses row with ``background`` set, a lease
     # (the replica running it, until when), a ``cancel_requested`` flag, and its stream events in their own
     # table, keyed by sequence number. Its row's status moves queued -> in_progress -> a final status once:
     # a final status is never replaced, not even by put() (a late write of a run that was cancelled or given

@@ -91,7 +91,7 @@ MIGRATIONS: list[tuple[str, ...]] = [
         "CREATE INDEX IF NOT EXISTS conversation_items_item ON {s}.conversation_items (item_id)",
     ),
     (
-        # Background responses (gateway.server.background): the lease of the replica running one (unix ms),
+        # Background responses (gateway.engine.background): the lease of the replica running one (unix ms),
         # a cancel flag, and its stream events by sequence number (they go with their response).
         "ALTER TABLE {s}.responses ADD COLUMN IF NOT EXISTS background BOOLEAN NOT NULL DEFAULT FALSE",
         "ALTER TABLE {s}.responses ADD COLUMN IF NOT EXISTS lease_owner TEXT",

@@ -95,7 +95,7 @@ MIGRATIONS: list[tuple[str, ...]] = [
         "CREATE INDEX IF NOT EXISTS conversation_items_item ON conversation_items (item_id)",
     ),
     (
-        # Background responses (gateway.server.background): the lease of the replica running one (unix ms),
+        # Background responses (gateway.engine.background): the lease of the replica running one (unix ms),
         # a cancel flag, and its stream events by sequence number (they go with their response).
         "ALTER TABLE responses ADD COLUMN background BOOLEAN NOT NULL DEFAULT 0",
         "ALTER TABLE responses ADD COLUMN lease_owner TEXT",

@@ -19,9 +19,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
-
 from gateway.errors import InvalidRequest
+from gateway.protocol.events import UpstreamEvent
 from gateway.protocol.ids import Clock, IdFactory
 from gateway.translate.rewrite import upstream_input_items, upstream_tools
 from gateway.translate.tool_context import ResolvedToolContext
@@ -29,7 +28,6 @@ from gateway.translate.usage import add_usage
 
 __all__ = [
     "ChatToResponsesEvents",
-    "Event",
     "add_usage",
     "build_chat_request",
     "chat_messages",
@@ -40,7 +38,6 @@ __all__ = [
 ]
 
 # (event type, JSON data — or an event the gateway built, already parsed), what FunctionSseTranslator.feed takes
-Event = tuple[str, str | dict[str, Any]]
 
 # Responses sampling fields that chat accepts under the same name (vLLM extras included).
 _SAME_NAME = ("temperature", "top_p", "seed", "top_k", "min_p", "repetition_penalty", "presence_penalty",
@@ -300,13 +297,13 @@ class ChatToResponsesEvents:
 
     # -- emission
 
-    def _ev(self, etype: str, payload: dict[str, Any]) -> Event:
+    def _ev(self, etype: str, payload: dict[str, Any]) -> UpstreamEvent:
         payload["type"] = etype
         payload["sequence_number"] = self._seq
         self._seq += 1
-        return etype, payload  # parsed: the translator takes it as it is
+        return UpstreamEvent(etype, "", payload)  # built: the translator takes it as it is
 
-    def _start(self, chunk: Mapping[str, Any]) -> list[Event]:
+    def _start(self, chunk: Mapping[str, Any]) -> list[UpstreamEvent]:
         if self._started:
             return []
         self._started = True
@@ -318,7 +315,7 @@ class ChatToResponsesEvents:
         return [self._ev("response.created", {"response": snap}),
                 self._ev("response.in_progress", {"response": dict(snap)})]
 
-    def _open_item(self, kind: str, item: dict[str, Any]) -> list[Event]:
+    def _open_item(self, kind: str, item: dict[str, Any]) -> list[UpstreamEvent]:
         out = self._close()
         self._open = _Open(kind, len(self.output), item)
         self.output.append(item)
@@ -336,13 +333,13 @@ class ChatToResponsesEvents:
                 "part": {"text": "", "type": "reasoning_text"}}))
         return out
 
-    def _close(self) -> list[Event]:
+    def _close(self) -> list[UpstreamEvent]:
         op, self._open = self._open, None
         if op is None:
             return []
         base = {"item_id": op.item["id"], "output_index": op.index}
         text = "".join(op.text)
-        out: list[Event] = []
+        out: list[UpstreamEvent] = []
         if op.kind == "message":
             part = {"annotations": [], "text": text, "type": "output_text", "logprobs": []}
             out.append(self._ev("response.output_text.done", {**base, "content_index": 0, "text": text,
@@ -367,15 +364,15 @@ class ChatToResponsesEvents:
 
     # -- input
 
-    def feed(self, chunk: Mapping[str, Any]) -> list[Event]:
+    def feed(self, chunk: Mapping[str, Any]) -> list[UpstreamEvent]:
         if self.finished:
             return []
         err = chunk.get("error")
         if isinstance(err, dict):
             self.finished = True
-            return [("error", orjson.dumps({"type": "error", "code": err.get("code") if isinstance(
+            return [UpstreamEvent.built({"type": "error", "code": err.get("code") if isinstance(
                 err.get("code"), str) else "upstream_error", "message": str(err.get("message") or
-                "The upstream reported an error."), "sequence_number": self._seq}).decode())]
+                "The upstream reported an error."), "sequence_number": self._seq})]
         out = self._start(chunk)
         usage = chat_usage(chunk.get("usage"))
         if usage is not None:
@@ -389,8 +386,8 @@ class ChatToResponsesEvents:
                 self.finish_reason = str(choice["finish_reason"])
         return out
 
-    def _delta(self, delta: Mapping[str, Any]) -> list[Event]:
-        out: list[Event] = []
+    def _delta(self, delta: Mapping[str, Any]) -> list[UpstreamEvent]:
+        out: list[UpstreamEvent] = []
         reasoning = delta.get("reasoning")
         if reasoning is None:
             reasoning = delta.get("reasoning_content")
@@ -418,8 +415,8 @@ class ChatToResponsesEvents:
                 out += self._tool_call(tc)
         return out
 
-    def _tool_call(self, tc: Mapping[str, Any]) -> list[Event]:
-        out: list[Event] = []
+    def _tool_call(self, tc: Mapping[str, Any]) -> list[UpstreamEvent]:
+        out: list[UpstreamEvent] = []
         idx = tc.get("index", 0)
         fn = raw if isinstance(raw := tc.get("function"), dict) else {}
         op = self._open
@@ -435,9 +432,9 @@ class ChatToResponsesEvents:
                 op.pending_args.append(args)
                 if sum(map(len, op.pending_args)) > self._max_unnamed:
                     self.finished = True
-                    return [*out, ("error", orjson.dumps({
+                    return [*out, UpstreamEvent.built({
                         "type": "error", "code": "unnamed_call_buffer_overflow",
-                        "message": "A tool call's name did not arrive within the buffer limit."}).decode())]
+                        "message": "A tool call's name did not arrive within the buffer limit."})]
             return out
         if op.pending_args or not op.announced:
             out += self._announce(op)
@@ -445,7 +442,7 @@ class ChatToResponsesEvents:
             out += self._args_delta(op, args)
         return out
 
-    def _open_call(self, tc: Mapping[str, Any], idx: Any) -> list[Event]:
+    def _open_call(self, tc: Mapping[str, Any], idx: Any) -> list[UpstreamEvent]:
         out = self._close()
         call_id = tc.get("id") if isinstance(tc.get("id"), str) else self._ids("call")
         item = {"arguments": "", "call_id": call_id, "name": None, "type": "function_call", "id": self._ids("fc"),
@@ -454,9 +451,9 @@ class ChatToResponsesEvents:
         self.output.append(item)
         return out
 
-    def _announce(self, op: _Open) -> list[Event]:
+    def _announce(self, op: _Open) -> list[UpstreamEvent]:
         """``output_item.added`` once the name is known (vLLM's rule: names come first)."""
-        out: list[Event] = []
+        out: list[UpstreamEvent] = []
         if not op.announced:
             op.announced = True
             opened = dict(op.item)
@@ -467,12 +464,12 @@ class ChatToResponsesEvents:
             out += self._args_delta(op, pending)
         return out
 
-    def _args_delta(self, op: _Open, args: str) -> list[Event]:
+    def _args_delta(self, op: _Open, args: str) -> list[UpstreamEvent]:
         op.text.append(args)
         return [self._ev("response.function_call_arguments.delta", {
             "delta": args, "item_id": op.item["id"], "output_index": op.index})]
 
-    def done(self) -> list[Event]:
+    def done(self) -> list[UpstreamEvent]:
         """End of the chunk stream. Emits the terminal event if the answer finished."""
         if self.finished or self.finish_reason is None:
             return []

@@ -45,6 +45,7 @@ from typing import Any
 
 import orjson
 
+from gateway.protocol.events import ClientEvent, UpstreamEvent
 from gateway.protocol.ids import IdFactory
 from gateway.translate.accumulator import ResponseAccumulator, UpstreamItem
 from gateway.translate.custom_input import InputDecoder, final_input
@@ -57,12 +58,6 @@ __all__ = ["FunctionSseTranslator", "TranslatorStats"]
 
 _LIFECYCLE_START = frozenset({"response.created", "response.in_progress", "response.queued"})
 _TERMINAL = {"completed": "response.completed", "incomplete": "response.incomplete", "failed": "response.failed"}
-_FRAME_PREFIX = b"event: "
-
-
-def _frame(etype: str, data: bytes) -> bytes:
-    return b"".join((_FRAME_PREFIX, etype.encode(), b"\ndata: ", data, b"\n\n"))
-
 
 @dataclass(slots=True)
 class TranslatorStats:
@@ -119,7 +114,7 @@ class FunctionSseTranslator:
         self.round_done = False
         self._usage: dict[str, Any] | None = None  # summed over finished rounds
         self._round_terminal: dict[str, Any] | None = None
-        self._handlers: dict[str, Callable[[str, dict[str, Any], str], list[bytes]]] = {
+        self._handlers: dict[str, Callable[[str, dict[str, Any], str], list[ClientEvent]]] = {
             "response.output_item.added": self._on_added,
             "response.output_item.done": self._on_item_done,
             "response.completed": self._on_terminal,
@@ -130,23 +125,21 @@ class FunctionSseTranslator:
 
     # ------------------------------------------------------------------ entry points
 
-    def feed(self, event: str, data: str | dict[str, Any]) -> list[bytes]:
-        """One upstream SSE frame (its ``event:`` name and ``data:`` text) -> client frames.
+    def feed(self, ev: UpstreamEvent) -> list[ClientEvent]:
+        """One upstream event -> client events.
 
-        ``data`` may also be an event the gateway built itself, already parsed (a takeover step's events):
-        it is never passed on as text, so nothing is serialized only to be parsed again."""
+        An event the gateway built itself (a converted chat chunk, a takeover step's events) has no text: it is
+        never passed on as text, so nothing is serialized only to be parsed again."""
         if self.finished:
             return []
-        if isinstance(data, dict):
-            d: Any = data
-            data = ""
-        elif data == "[DONE]":
+        data = ev.text
+        event = ev.event
+        if data == "[DONE]":
             return []
-        else:
-            try:
-                d = orjson.loads(data)
-            except orjson.JSONDecodeError:
-                return self.fail("upstream_malformed_event", "The upstream sent an event that is not valid JSON.")
+        try:
+            d = ev.json()
+        except orjson.JSONDecodeError:
+            return self.fail("upstream_malformed_event", "The upstream sent an event that is not valid JSON.")
         if not isinstance(d, dict):
             return self.fail("upstream_malformed_event", "The upstream sent an event that is not a JSON object.")
         etype = d.get("type") or event
@@ -161,18 +154,18 @@ class FunctionSseTranslator:
             return self._on_sub_event(etype, d, data)
         return self._forward(etype, d, data)
 
-    def start(self) -> list[bytes]:
+    def start(self) -> list[ClientEvent]:
         """``response.created`` and ``.in_progress`` now, if not sent yet (a response the gateway opens itself)."""
         return self._ensure_started()
 
-    def finish(self) -> list[bytes]:
+    def finish(self) -> list[ClientEvent]:
         """The upstream stream ended. Without a terminal event that is a failure, never a hang."""
         if self.finished:
             return []
         return self.fail("upstream_stream_incomplete",
                          "The upstream stream ended before the response completed.")
 
-    def fail(self, code: str, message: str) -> list[bytes]:
+    def fail(self, code: str, message: str) -> list[ClientEvent]:
         """End the response with ``response.failed`` (broken upstream, timeout, overflow, shutdown)."""
         if self.finished:
             return []
@@ -188,24 +181,26 @@ class FunctionSseTranslator:
 
     # ------------------------------------------------------------------ emission helpers
 
-    def _emit(self, etype: str, payload: dict[str, Any]) -> bytes:
+    def _emit(self, etype: str, payload: dict[str, Any]) -> ClientEvent:
         payload["type"] = etype
-        payload["sequence_number"] = self._seq
+        seq = payload["sequence_number"] = self._seq
         self._seq += 1
-        return _frame(etype, orjson.dumps(payload))
+        idx = payload.get("output_index")
+        return ClientEvent(etype, seq, idx if isinstance(idx, int) else None, payload, orjson.dumps(payload))
 
-    def _forward(self, etype: str, d: dict[str, Any], data: str, client_index: int | None = None) -> list[bytes]:
+    def _forward(self, etype: str, d: dict[str, Any], data: str, client_index: int | None = None) -> list[ClientEvent]:
         """Pass a frame on; re-serialize only when its numbers must change."""
-        if data and d.get("sequence_number") == self._seq and (
+        seq = self._seq
+        if data and d.get("sequence_number") == seq and d.get("type") == etype and (
                 client_index is None or d.get("output_index") == client_index):
-            self._seq += 1
-            return [_frame(etype, data.encode())]
+            self._seq += 1  # passed through: the upstream's text is the event's data
+            return [ClientEvent(etype, seq, client_index, d, data.encode())]
         if client_index is not None:
             d["output_index"] = client_index
         return [self._emit(etype, d)]
 
-    def _ensure_started(self) -> list[bytes]:
-        out: list[bytes] = []
+    def _ensure_started(self) -> list[ClientEvent]:
+        out: list[ClientEvent] = []
         if not self._created:
             self._created = True
             resp = restore_response(self.acc.snapshot, self.state, output=[], status="in_progress")
@@ -220,7 +215,7 @@ class FunctionSseTranslator:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def _on_start(self, etype: str, d: dict[str, Any]) -> list[bytes]:
+    def _on_start(self, etype: str, d: dict[str, Any]) -> list[ClientEvent]:
         self.acc.apply(etype, d)
         if etype == "response.created" and not self._created:
             self._created = True
@@ -237,13 +232,13 @@ class FunctionSseTranslator:
             return out
         return []  # duplicates (and queued) are folded into the snapshot only
 
-    def _on_error(self, etype: str, d: dict[str, Any], data: str) -> list[bytes]:
+    def _on_error(self, etype: str, d: dict[str, Any], data: str) -> list[ClientEvent]:
         err = raw if isinstance(raw := d.get("error"), dict) else d
         code = err.get("code")
         return self.fail(code if isinstance(code, str) else "upstream_error",
                          str(err.get("message") or "The upstream reported an error."))
 
-    def _on_terminal(self, etype: str, d: dict[str, Any], data: str) -> list[bytes]:
+    def _on_terminal(self, etype: str, d: dict[str, Any], data: str) -> list[ClientEvent]:
         self.acc.apply(etype, d)
         resp = self.acc.terminal or {}
         out = self._ensure_started()
@@ -279,7 +274,7 @@ class FunctionSseTranslator:
             return out
         return out + self._terminal(resp, status)
 
-    def _terminal(self, resp: dict[str, Any], status: str) -> list[bytes]:
+    def _terminal(self, resp: dict[str, Any], status: str) -> list[ClientEvent]:
         out = self._close_open_items("completed" if status == "completed" else "incomplete")
         if self._usage is not None:
             resp = {**resp, "usage": add_usage(self._usage, resp.get("usage"))}
@@ -302,7 +297,7 @@ class FunctionSseTranslator:
 
     # ------------------------------------------------------------------ items
 
-    def _on_added(self, etype: str, d: dict[str, Any], data: str) -> list[bytes]:
+    def _on_added(self, etype: str, d: dict[str, Any], data: str) -> list[ClientEvent]:
         out = self._ensure_started()
         up = self.acc.apply(etype, d)
         if up is None:
@@ -327,7 +322,7 @@ class FunctionSseTranslator:
         self._next_index += 1
         self._order.append(st)
 
-    def _open_call(self, st: _Item) -> list[bytes]:
+    def _open_call(self, st: _Item) -> list[ClientEvent]:
         """Decide what the client sees of a call whose name is now known, and open it."""
         up = st.up
         if self._call_shown and not self.state.ctx.parallel_tool_calls:
@@ -358,7 +353,7 @@ class FunctionSseTranslator:
 
     # ------------------------------------------------------------------ gateway-owned calls (MCP)
 
-    def _open_owned(self, st: _Item) -> list[bytes]:
+    def _open_owned(self, st: _Item) -> list[ClientEvent]:
         info = st.info
         assert info is not None
         label = str(info.definition.get("server_label"))
@@ -384,7 +379,7 @@ class FunctionSseTranslator:
         self._assign(st)
         return [self._emit("response.output_item.added", {"output_index": st.client_index, "item": dict(item)})]
 
-    def _owned_sub_event(self, st: _Item, etype: str, d: dict[str, Any]) -> list[bytes]:
+    def _owned_sub_event(self, st: _Item, etype: str, d: dict[str, Any]) -> list[ClientEvent]:
         if st.kind != "mcp":
             return []  # an approval request shows its arguments when it is done
         base = {"item_id": st.item_id, "output_index": st.client_index}
@@ -395,7 +390,7 @@ class FunctionSseTranslator:
             return self._owned_args_done(st)
         return []
 
-    def _owned_args_done(self, st: _Item) -> list[bytes]:
+    def _owned_args_done(self, st: _Item) -> list[ClientEvent]:
         if st.args_done_sent:
             return []
         st.args_done_sent = True
@@ -403,7 +398,7 @@ class FunctionSseTranslator:
         return [self._emit("response.mcp_call_arguments.done", {**base, "arguments": st.up.arguments}),
                 self._emit("response.mcp_call.in_progress", dict(base))]
 
-    def _close_owned(self, st: _Item, status: str) -> list[bytes]:
+    def _close_owned(self, st: _Item, status: str) -> list[ClientEvent]:
         if st.kind == "approval" and st.opened is None:  # deferred: mint the id over the complete call
             assert st.info is not None and self.mint_approval is not None
             label, args = str(st.info.definition.get("server_label")), st.up.arguments
@@ -440,7 +435,7 @@ class FunctionSseTranslator:
         return any(st.kind in ("custom", "function") and st.round == self.round for st in self._order)
 
     def complete_owned(self, key: str, output: str | None = None, error: dict[str, Any] | None = None
-                       ) -> list[bytes]:
+                       ) -> list[ClientEvent]:
         """A gateway-owned call ran: ``response.mcp_call.completed`` (or ``.failed``), then its done item."""
         st = next((s for s in self._order if s.item_id == key and s.kind == "mcp" and s.final is None), None)
         if st is None:
@@ -448,7 +443,7 @@ class FunctionSseTranslator:
         return self._owned_result(st, output, error, status="failed" if error is not None else "completed")
 
     def _owned_result(self, st: _Item, output: str | None, error: dict[str, Any] | None, *, status: str
-                      ) -> list[bytes]:
+                      ) -> list[ClientEvent]:
         assert st.opened is not None
         final = {**st.opened, "arguments": st.up.arguments, "output": output, "error": error, "status": status}
         st.final = final
@@ -460,7 +455,7 @@ class FunctionSseTranslator:
         return out
 
     def owned_item(self, item: dict[str, Any], events: list[tuple[str, dict[str, Any]]],
-                   final: dict[str, Any] | None = None) -> list[bytes]:
+                   final: dict[str, Any] | None = None) -> list[ClientEvent]:
         """An item the gateway made itself (``mcp_list_tools``, a call run after approval): added, ``events``
         (given without item_id/output_index), done."""
         out = self._ensure_started()
@@ -490,7 +485,7 @@ class FunctionSseTranslator:
         self._items = {}
         self._call_shown = False  # parallel_tool_calls: false allows one call per round
 
-    def end(self, usage: dict[str, Any] | None = None) -> list[bytes]:
+    def end(self, usage: dict[str, Any] | None = None) -> list[ClientEvent]:
         """End the client response after a round whose calls ran (no further round); ``usage`` is added."""
         if self.finished:
             return []
@@ -501,7 +496,7 @@ class FunctionSseTranslator:
         self.round_done = False
         return self._terminal(dict(resp), "completed")
 
-    def _hold(self, st: _Item, etype: str, d: dict[str, Any], data: str) -> list[bytes]:
+    def _hold(self, st: _Item, etype: str, d: dict[str, Any], data: str) -> list[ClientEvent]:
         size = len(data) if data else len(orjson.dumps(d))
         self._held_bytes += size
         self.stats.held_bytes_peak = max(self.stats.held_bytes_peak, self._held_bytes)
@@ -515,7 +510,7 @@ class FunctionSseTranslator:
         st.held.append((etype, d, data))
         return []
 
-    def _release(self, st: _Item) -> list[bytes]:
+    def _release(self, st: _Item) -> list[ClientEvent]:
         """The name arrived: open the call and replay its held frames in their original order."""
         held, st.held = st.held, []
         self._held_bytes -= sum(len(h[2]) for h in held)
@@ -526,7 +521,7 @@ class FunctionSseTranslator:
             out += self._route_sub_event(st, etype, d, data)
         return out
 
-    def _on_sub_event(self, etype: str, d: dict[str, Any], data: str) -> list[bytes]:
+    def _on_sub_event(self, etype: str, d: dict[str, Any], data: str) -> list[ClientEvent]:
         idx = d["output_index"]
         st = self._items.get(idx) if isinstance(idx, int) else None
         if st is None:
@@ -543,7 +538,7 @@ class FunctionSseTranslator:
         return self._route_sub_event(st, etype, d, data, applied=True)
 
     def _route_sub_event(self, st: _Item, etype: str, d: dict[str, Any], data: str,
-                         applied: bool = True) -> list[bytes]:
+                         applied: bool = True) -> list[ClientEvent]:
         kind = st.kind
         if kind == "custom":  # first: the hottest kind (every input delta of a custom call)
             if etype == "response.function_call_arguments.delta":
@@ -568,7 +563,7 @@ class FunctionSseTranslator:
             return [self._emit(etype, d)]
         return self._forward(etype, d, data, st.client_index)
 
-    def _custom_delta(self, st: _Item, delta: str) -> list[bytes]:
+    def _custom_delta(self, st: _Item, delta: str) -> list[ClientEvent]:
         assert st.decoder is not None
         piece = st.decoder.feed(delta)
         if not piece:
@@ -577,7 +572,7 @@ class FunctionSseTranslator:
         return [self._emit("response.custom_tool_call_input.delta",
                            {"item_id": st.item_id, "output_index": st.client_index, "delta": piece})]
 
-    def _custom_done(self, st: _Item, arguments: str) -> list[bytes]:
+    def _custom_done(self, st: _Item, arguments: str) -> list[ClientEvent]:
         """Settle the input; a catch-up delta keeps the deltas' concatenation equal to the done input."""
         if st.input_done is not None:
             return []
@@ -585,7 +580,7 @@ class FunctionSseTranslator:
         if value == arguments and arguments and not _is_input_json(arguments):
             self.stats.raw_inputs += 1  # the I/O shell logs this at debug level (never the input itself)
         sent = "".join(st.emitted)
-        out: list[bytes] = []
+        out: list[ClientEvent] = []
         if value.startswith(sent):
             rest = value[len(sent):]
             if rest:
@@ -599,7 +594,7 @@ class FunctionSseTranslator:
                               {"item_id": st.item_id, "output_index": st.client_index, "input": value}))
         return out
 
-    def _on_item_done(self, etype: str, d: dict[str, Any], data: str) -> list[bytes]:
+    def _on_item_done(self, etype: str, d: dict[str, Any], data: str) -> list[ClientEvent]:
         out = self._ensure_started()
         idx = d.get("output_index")
         if not isinstance(idx, int):
@@ -626,10 +621,10 @@ class FunctionSseTranslator:
             out += self._release(st)
         return out + self._close_item(st, "completed")
 
-    def _done_only(self, st: _Item) -> list[bytes]:
+    def _done_only(self, st: _Item) -> list[ClientEvent]:
         up = st.up
         item = up.item
-        out: list[bytes] = []
+        out: list[ClientEvent] = []
         if item.get("type") == "function_call":
             if not up.name:
                 return self.fail("unnamed_tool_call", "The upstream finished a tool call without ever naming it.")
@@ -658,8 +653,8 @@ class FunctionSseTranslator:
         out += self._synthesize_parts(st, item)
         return out + self._close_item(st, "completed")
 
-    def _synthesize_parts(self, st: _Item, item: dict[str, Any]) -> list[bytes]:
-        out: list[bytes] = []
+    def _synthesize_parts(self, st: _Item, item: dict[str, Any]) -> list[ClientEvent]:
+        out: list[ClientEvent] = []
         base = {"item_id": st.item_id, "output_index": st.client_index}
         itype = item.get("type")
         if itype == "message":
@@ -689,7 +684,7 @@ class FunctionSseTranslator:
                 out.append(self._emit("response.content_part.done", {**base, "content_index": ci, "part": part}))
         return out
 
-    def _args_done(self, st: _Item) -> list[bytes]:
+    def _args_done(self, st: _Item) -> list[ClientEvent]:
         if st.args_done_sent:
             return []
         st.args_done_sent = True
@@ -697,7 +692,7 @@ class FunctionSseTranslator:
         return [self._emit("response.function_call_arguments.done", {
             "item_id": st.item_id, "output_index": st.client_index, "arguments": st.up.arguments, "name": name})]
 
-    def _close_item(self, st: _Item, status: str) -> list[bytes]:
+    def _close_item(self, st: _Item, status: str) -> list[ClientEvent]:
         """``output_item.done`` with the authoritative item (the upstream's done item, or what we built)."""
         if st.kind == "approval" and st.opened is None and st.final is None and status == "completed":
             return self._close_owned(st, status)  # a deferred approval request, complete now
@@ -706,7 +701,7 @@ class FunctionSseTranslator:
         if st.kind in ("mcp", "approval"):
             return self._close_owned(st, status)
         up = st.up
-        out: list[bytes] = []
+        out: list[ClientEvent] = []
         if st.kind == "custom":
             out += self._custom_done(st, up.arguments)
             final = client_call_item({**up.item, "name": up.name}, st.info, st.input_done)
@@ -725,8 +720,8 @@ class FunctionSseTranslator:
         out.append(self._emit("response.output_item.done", {"output_index": st.client_index, "item": final}))
         return out
 
-    def _close_open_items(self, status: str) -> list[bytes]:
-        out: list[bytes] = []
+    def _close_open_items(self, status: str) -> list[ClientEvent]:
+        out: list[ClientEvent] = []
         for st in self._order:
             if st.open:
                 out += self._close_item(st, status)

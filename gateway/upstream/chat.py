@@ -7,13 +7,15 @@ e.g. a constrained step's content turned into a call by ``ContentAsCall``).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
-from typing import Any, Protocol, cast
+from collections.abc import AsyncGenerator, Callable, Iterable, Mapping
+from typing import Any, Protocol
 
+import httpx
 import orjson
 
+from gateway.protocol.events import UpstreamEvent
 from gateway.protocol.sse import SseParser
-from gateway.translate.chat import ChatToResponsesEvents, Event, completion_to_chunks
+from gateway.translate.chat import ChatToResponsesEvents, completion_to_chunks
 from gateway.upstream.client import UpstreamResponse
 
 __all__ = ["chat_chunk_events", "chat_completion_events", "chat_event_batches", "responses_event_batches"]
@@ -26,25 +28,28 @@ class ChunkConverter(Protocol):
 
     finished: bool
 
-    def feed(self, chunk: Mapping[str, Any]) -> list[Event]: ...
+    def feed(self, chunk: Mapping[str, Any]) -> list[UpstreamEvent]: ...
 
-    def done(self) -> list[Event]: ...
+    def done(self) -> list[UpstreamEvent]: ...
 
 
-async def responses_event_batches(up: UpstreamResponse) -> AsyncIterator[list[Event]]:
+async def responses_event_batches(up: UpstreamResponse) -> AsyncGenerator[list[UpstreamEvent], None]:
+    """vLLM's /v1/responses SSE as it arrives; a transport error mid-stream raises ``StreamFailure``."""
     parser = SseParser()
-    # The parser's (event, text) pairs are Events whose data is text (cast: a list is invariant in its items).
-    async for chunk in up.aiter_bytes():
-        events = parser.feed(chunk)
-        if events:
-            yield cast(list[Event], events)
+    try:
+        async for chunk in up.aiter_bytes():
+            events = parser.feed(chunk)
+            if events:
+                yield [UpstreamEvent(event, data) for event, data in events]
+    except httpx.HTTPError as exc:
+        raise up.stream_failure(exc) from None
     tail = parser.close()
     if tail:
-        yield cast(list[Event], tail)
+        yield [UpstreamEvent(event, data) for event, data in tail]
 
 
 def chat_chunk_events(data: str, conv: ChunkConverter,
-                      rewrite: ChunkRewrite | None = None) -> list[Event]:
+                      rewrite: ChunkRewrite | None = None) -> list[UpstreamEvent]:
     """One chat SSE ``data:`` text (a chunk or ``[DONE]``) through a chunk converter."""
     if data.strip() == "[DONE]":
         return conv.done()
@@ -52,23 +57,27 @@ def chat_chunk_events(data: str, conv: ChunkConverter,
         chunk = orjson.loads(data)
     except orjson.JSONDecodeError:
         conv.finished = True
-        return [("error", '{"type":"error","code":"upstream_malformed_event","message":"The upstream sent a chunk '
-                          'that is not valid JSON."}')]
+        return [UpstreamEvent.built({"type": "error", "code": "upstream_malformed_event",
+                                     "message": "The upstream sent a chunk that is not valid JSON."})]
     if not isinstance(chunk, dict):
         return []
     return conv.feed(rewrite(chunk) if rewrite is not None and "error" not in chunk else chunk)
 
 
-async def chat_event_batches(up: UpstreamResponse, conv: ChatToResponsesEvents,
-                             rewrite: ChunkRewrite | None = None) -> AsyncIterator[list[Event]]:
-    """Chat SSE (``data:`` lines only, ``[DONE]`` at the end) -> Responses event batches."""
+async def chat_event_batches(up: UpstreamResponse, conv: ChunkConverter,
+                             rewrite: ChunkRewrite | None = None) -> AsyncGenerator[list[UpstreamEvent], None]:
+    """Chat SSE (``data:`` lines only, ``[DONE]`` at the end) -> Responses event batches; a transport error
+    mid-stream raises ``StreamFailure``."""
     parser = SseParser()
-    async for raw in up.aiter_bytes():
-        out: list[Event] = []
-        for _event, data in parser.feed(raw):
-            out += chat_chunk_events(data, conv, rewrite)
-        if out:
-            yield out
+    try:
+        async for raw in up.aiter_bytes():
+            out: list[UpstreamEvent] = []
+            for _event, data in parser.feed(raw):
+                out += chat_chunk_events(data, conv, rewrite)
+            if out:
+                yield out
+    except httpx.HTTPError as exc:
+        raise up.stream_failure(exc) from None
     out = []
     for _event, data in parser.close():
         out += chat_chunk_events(data, conv, rewrite)
@@ -78,10 +87,10 @@ async def chat_event_batches(up: UpstreamResponse, conv: ChatToResponsesEvents,
 
 
 def chat_completion_events(payload: Mapping[str, Any], conv: ChatToResponsesEvents,
-                           rewrite: ChunkRewrite | None = None) -> list[Event]:
+                           rewrite: ChunkRewrite | None = None) -> list[UpstreamEvent]:
     """A non-streamed chat completion -> the same event sequence a stream would give."""
     chunks: Iterable[Mapping[str, Any]] = completion_to_chunks(payload)
-    out: list[Event] = []
+    out: list[UpstreamEvent] = []
     for chunk in chunks:
         out += conv.feed(rewrite(chunk) if rewrite is not None else chunk)
     return out + conv.done()

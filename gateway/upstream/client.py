@@ -14,7 +14,7 @@ rest of its body read, bounded) rather than dropped.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +24,15 @@ import orjson
 from httpx_aiohttp import AiohttpTransport
 
 from gateway.config import Settings
-from gateway.errors import GatewayError, UpstreamTimeout, UpstreamUnavailable, normalize_upstream_error
+from gateway.errors import (
+    GatewayError,
+    StreamFailure,
+    UpstreamIdleTimeout,
+    UpstreamStreamBroken,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+    normalize_upstream_error,
+)
 
 __all__ = ["PROXY_DROP_RESPONSE", "UpstreamClient", "UpstreamResponse", "UpstreamTransport", "map_transport_error"]
 
@@ -131,6 +139,7 @@ class UpstreamResponse:
     """
 
     response: httpx.Response
+    idle_timeout: float | None = None  # the stream's read timeout (for the failure's message)
     _body: AsyncIterator[bytes] | None = None
 
     @property
@@ -150,6 +159,24 @@ class UpstreamResponse:
         if self._body is None:
             self._body = self.response.aiter_bytes()
         return self._body
+
+    def stream_failure(self, exc: httpx.HTTPError) -> StreamFailure:
+        """A transport error met while reading this stream, as the failure that ends the client's response."""
+        if isinstance(exc, httpx.ReadTimeout):
+            waited = f"{self.idle_timeout:g} seconds" if self.idle_timeout is not None else "too long"
+            return UpstreamIdleTimeout(f"No upstream event for {waited}; the gateway ended the stream.")
+        return UpstreamStreamBroken(f"The upstream connection broke mid-stream ({type(exc).__name__}).")
+
+    async def relay(self, on_broken: Callable[[], None]) -> AsyncIterator[bytes]:
+        """The body as it arrives, undecoded (the pass-through proxy), closed at its end; a transport error ends
+        it early (``on_broken`` is told)."""
+        try:
+            async for chunk in self.response.aiter_raw():
+                yield chunk
+        except httpx.HTTPError:
+            on_broken()
+        finally:
+            await self.aclose()
 
     async def release(self, max_bytes: int = RELEASE_MAX_BYTES, timeout: float = RELEASE_TIMEOUT) -> bool:
         """End a complete response, keeping its connection: read the rest of the body (at most ``max_bytes``,
@@ -252,6 +279,7 @@ class UpstreamClient:
         self._timeout = httpx.Timeout(settings.read_timeout, connect=settings.connect_timeout)
         self._stream_timeout = httpx.Timeout(settings.stream_idle_timeout, connect=settings.connect_timeout)
         self._timeouts = {True: self._stream_timeout.as_dict(), False: self._timeout.as_dict()}
+        self._idle_timeout = settings.stream_idle_timeout
         self._urls: dict[str, httpx.URL] = {}
         # A transport given (tests, the demo) replaces the network, environment proxies included.
         self.http = _Client(base_url=settings.upstream_url.rstrip("/"), transport=transport, limits=limits,
@@ -289,8 +317,9 @@ class UpstreamClient:
                         stream: bool, extra_headers: Mapping[str, str] | None = None) -> UpstreamResponse:
         """POST a JSON body; the response is returned open (streamed) so the caller decides how to read it.
 
-        For streams the read timeout is the idle timeout: no upstream bytes for that long raises
-        ``httpx.ReadTimeout`` inside the stream, which the pump turns into ``response.failed``.
+        For streams the read timeout is the idle timeout: no upstream bytes for that long fails the stream's read
+        (``UpstreamIdleTimeout`` from the event readers, gateway.upstream.chat), which ends the client's response
+        with ``response.failed``.
         """
         headers = {"content-type": "application/json", "accept": "text/event-stream" if stream else
                    "application/json", **self.auth_headers(client_headers), **(extra_headers or {})}
@@ -308,7 +337,7 @@ class UpstreamClient:
         # The request (its serialized body: the whole conversation, for a long agent session hundreds of KB) is
         # detached from the response, which lives as long as the stream: nothing reads it back (httpx-private).
         response._request = None
-        return UpstreamResponse(response)
+        return UpstreamResponse(response, self._idle_timeout if stream else None)
 
     async def post_json(self, path: str, body: Mapping[str, Any], client_headers: Mapping[str, str]
                         ) -> tuple[int, Any]:
@@ -328,6 +357,33 @@ class UpstreamClient:
                 raise UpstreamUnavailable("The upstream answered with a body that is not JSON.") from exc
         finally:
             await up.aclose()
+
+    async def health_status(self, timeout: float) -> int | str:
+        """vLLM's ``GET /health`` (with the upstream key): its status, or why there is none (a sentence)."""
+        try:
+            async with asyncio.timeout(timeout):  # covers a server that accepts but never answers
+                response = await self.http.get("/health", headers=self.auth_headers({}), timeout=timeout)
+        except (TimeoutError, httpx.TimeoutException):
+            return f"upstream /health did not answer within {timeout:g} s"
+        except httpx.HTTPError as exc:
+            return f"upstream unreachable ({type(exc).__name__})"
+        return response.status_code
+
+    async def fetch_metrics(self, timeout: float, max_bytes: int) -> tuple[int, bytes, str] | GatewayError:
+        """vLLM's ``GET /metrics`` (with the upstream key): status, body, content type — or the error it maps to."""
+        try:
+            async with asyncio.timeout(timeout):
+                async with self.http.stream("GET", "/metrics", headers=self.auth_headers({}), timeout=timeout) as up:
+                    body = bytearray()
+                    async for chunk in up.aiter_bytes():
+                        body += chunk
+                        if len(body) > max_bytes:
+                            return UpstreamUnavailable(f"The upstream's metrics exceed {max_bytes} bytes.")
+                    return up.status_code, bytes(body), up.headers.get("content-type", "")
+        except TimeoutError:
+            return UpstreamTimeout(f"The upstream's metrics did not come within {timeout:g} s.")
+        except httpx.HTTPError as exc:
+            return map_transport_error(exc)
 
     def proxy_path(self, raw_path: bytes) -> str | None:
         """The allow-listed upstream path a pass-through request names, or None. The raw path (before any

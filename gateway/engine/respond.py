@@ -1,53 +1,56 @@
 """The producer of a response (``ResponsesHandler.respond``): resolve the request once, rewrite it, forward it,
-and pump the answer back as client frames. Transport-independent — no starlette here: the HTTP handler
-(gateway.server.responses_http), the WebSocket transport and background runs consume it."""
+and pump the answer back as client events. Transport-independent — no starlette here: the HTTP door
+(gateway.server.responses_http), the WebSocket door and background runs consume it."""
 
 from __future__ import annotations
 
 import functools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, replace
+from typing import Any
 
-import httpx
-import orjson
 import structlog
 
 from gateway.config import Settings
 from gateway.enforce.constrain import ContentAsCall
-from gateway.enforce.live import GrammarTakeover
-from gateway.enforce.runner import Enforcer, Guard, Plan, StepError, Violation, plan_for, violation_response
-from gateway.errors import GatewayError, InvalidRequest, NotFound
+from gateway.enforce.plan import Plan, Violation, plan_for, violation_response
+from gateway.engine.background import BackgroundRuns, RunIdentity
+from gateway.engine.drain import Drain
+from gateway.engine.enforcer import Enforcer, Guard, StepError
+from gateway.engine.history import (
+    APPENDED_STATUSES,
+    HistoryBudget,
+    public_input_items,
+    resolve_history,
+    resolve_references,
+)
+from gateway.engine.outcome import Answered, Outcome, Persist, Streamed, Turn
+from gateway.engine.record import RequestRecord
+from gateway.engine.takeover import GrammarTakeover
+from gateway.engine.tool_loop import McpHub, ToolLoop
+from gateway.errors import GatewayError, InvalidRequest, StreamFailure
 from gateway.protocol.conversations import conversation_item, conversation_ref
+from gateway.protocol.events import ClientEvent, UpstreamEvent, with_failed_terminal
 from gateway.runtime import clock, new_id, random_bytes
-from gateway.server.conversations import APPENDED_STATUSES, conversation_history
-from gateway.server.record import RequestRecord
-from gateway.server.shutdown import Drain, ShuttingDown
-from gateway.server.tool_loop import McpHub, ToolLoop
-from gateway.store import BrokenChainError, ConversationTurn, HistoryTooLargeError, ResponseStore, StoredResponse
-from gateway.translate.chat import ChatToResponsesEvents, Event, build_chat_request
+from gateway.store import ConversationTurn, ResponseStore, StoredResponse
+from gateway.translate.chat import ChatToResponsesEvents, build_chat_request
 from gateway.translate.restore import RequestState, build_request_state, restore_output, restore_response
 from gateway.translate.rewrite import build_upstream_request
 from gateway.translate.sealing import ReasoningSealer, open_sealed_reasoning, parse_keys
-from gateway.translate.tool_context import ToolInfo, resolve_tool_context
+from gateway.translate.tool_context import ResolvedToolContext, ToolInfo, resolve_tool_context
 from gateway.translate.translator import FunctionSseTranslator
 from gateway.upstream.chat import chat_completion_events, chat_event_batches, responses_event_batches
 from gateway.upstream.client import UpstreamClient, UpstreamResponse
 
-if TYPE_CHECKING:
-    from gateway.server.background import BackgroundRuns, RunIdentity
-
 log = structlog.get_logger("gateway.responses")
 
-Persist = Callable[[dict[str, Any]], Awaitable[None]]
 ZERO_USAGE = {"input_tokens": 0, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 0,
               "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 0}
 
-__all__ = ["Answered", "Outcome", "ResponsesHandler", "StoreWriteFailed", "Streamed", "Turn", "public_input_items"]
+__all__ = ["ResponsesHandler", "StoreWriteFailed"]
 
 STORE_FAILED = "store_failed"
-_TERMINAL_HEADS = (b"event: response.completed", b"event: response.incomplete", b"event: response.failed")
 
 
 class StoreWriteFailed(GatewayError):
@@ -62,53 +65,6 @@ class StoreWriteFailed(GatewayError):
         super().__init__("The response could not be stored, so it was not kept; retry the request.")
 
 
-class HistoryBudget:
-    """What is left of --max-history-bytes for one request: item references first, then the chain or the
-    conversation."""
-
-    __slots__ = ("left", "limit")
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.left = limit
-
-    def exceeded(self, param: str) -> InvalidRequest:
-        return InvalidRequest(f"The history this request resolves through '{param}' is larger than the gateway's "
-                              f"limit of {self.limit} bytes (--max-history-bytes).", param=param,
-                              code="history_too_large")
-
-
-def public_input_items(body: dict[str, Any]) -> list[dict[str, Any]]:
-    """The request's input as stored items, each with an id (``input_items`` lists them)."""
-    raw = body.get("input")
-    if isinstance(raw, str):
-        items: list[Any] = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": raw}]}]
-    elif isinstance(raw, list):
-        items = raw
-    else:
-        items = []
-    out = []
-    for item in items:
-        if not isinstance(item, dict):
-            continue
-        item = dict(item)
-        if "type" not in item and "role" in item:
-            item["type"] = "message"
-        if not item.get("id"):
-            item["id"] = new_id("msg" if item.get("type") == "message" else "item")
-        out.append(item)
-    return out
-
-
-def history_from_chain(chain: list[StoredResponse]) -> list[dict[str, Any]]:
-    """Earlier inputs and outputs, in order; the new input is appended by the caller."""
-    history: list[dict[str, Any]] = []
-    for record in chain:
-        history.extend(record.input_items)
-        history.extend(i for i in record.response.get("output") or () if isinstance(i, dict))
-    return history
-
-
 @dataclass
 class ResponsesHandler:
     settings: Settings
@@ -120,7 +76,7 @@ class ResponsesHandler:
     mcp: McpHub | None = None
     # Seals reasoning as encrypted_content (gateway.translate.sealing); built on first use from the resolved key.
     sealer: ReasoningSealer | None = None
-    # Background mode (gateway.server.background); None (no store): background=true is refused.
+    # Background mode (gateway.engine.background); None (no store): background=true is refused.
     background: BackgroundRuns | None = None
 
     async def respond(self, body: dict[str, Any], headers: Mapping[str, str], owner: str | None,
@@ -133,18 +89,18 @@ class ResponsesHandler:
         ``run``: set by a background run calling back in (its response's id and created_at)."""
         record.model = body.get("model") if isinstance(body.get("model"), str) else None
         record.stream = bool(body.get("stream"))
-        # --- background mode (gateway.server.background): the registry answers now and runs the response in a
+        # --- background mode (gateway.engine.background): the registry answers now and runs the response in a
         # task of its own, which comes back here with ``run`` set and streams like any other response.
         if body.get("background") and run is None:
             if self.background is None:
                 raise InvalidRequest("background needs a response store, and this gateway runs with --store none.",
                                      param="background", code="store_disabled")
-            return await self.background.start_run(self, body, headers, owner, record)
+            return await self.background.start_run(self._produce_run, body, headers, owner, record)
         # --- end of background mode
         budget = HistoryBudget(self.settings.max_history_bytes)
-        body = await self._resolve_references(body, owner, budget)
+        body = await resolve_references(self.store, body, owner, budget)
         ctx = resolve_tool_context(body)
-        history = await self._history(body, owner, turn, budget)
+        history = await resolve_history(self.store, body, owner, turn, budget)
         if turn is not None:
             turn.history, turn.input_items = history, public_input_items(body)
         state = build_request_state(body, ctx, response_id=run.response_id if run else new_id("resp"),
@@ -168,18 +124,39 @@ class ResponsesHandler:
                 return Answered(exc.payload, exc.status)
         return await self._forward(body, state, record, persist, history, headers, extra, guard=None)
 
-    async def _open_stream(self, path: str, body: dict[str, Any], headers: Mapping[str, str],
-                           extra: Mapping[str, str], record: RequestRecord) -> UpstreamResponse | Answered:
-        """The open upstream stream, or (an error before it started) the upstream's error in OpenAI's shape."""
-        up = await self.upstream.send_json(path, body, headers, stream=True, extra_headers=extra)
-        if up.ok:
-            return up
-        try:
-            err = await up.error_body()
-        finally:
-            await up.aclose()
-        record.upstream_error = f"http_{up.status_code}"
-        return Answered(err, up.status_code)
+    async def _produce_run(self, body: dict[str, Any], headers: Mapping[str, str], owner: str | None,
+                           record: RequestRecord, run: RunIdentity) -> Outcome:
+        """What a background run produces: this response, under the identity the run already gave it."""
+        return await self.respond(body, headers, owner, record, run=run)
+
+    # ------------------------------------------------------------------ an upstream round
+
+    async def _open_round(self, body: dict[str, Any], ctx: ResolvedToolContext, history: list[dict[str, Any]],
+                          headers: Mapping[str, str], extra: Mapping[str, str], record: RequestRecord
+                          ) -> Round | Answered:
+        """One upstream round opened on the configured API (the plain request, and each round of the tool
+        loop): its event batches, or (an error before the stream started) the upstream's error in OpenAI's
+        shape."""
+        chat = self.settings.upstream_api == "chat"
+        path = "/v1/chat/completions" if chat else "/v1/responses"
+        upstream_body = build_chat_request(body, ctx, history) if chat else build_upstream_request(body, ctx, history)
+        up = await self.upstream.send_json(path, upstream_body, headers, stream=True, extra_headers=extra)
+        if not up.ok:
+            try:
+                err = await up.error_body()
+            finally:
+                await up.aclose()
+            record.upstream_error = f"http_{up.status_code}"
+            return Answered(err, up.status_code)
+        model = body.get("model") if isinstance(body.get("model"), str) else None
+        return Round(chat_event_batches(up, self._converter(model)) if chat else responses_event_batches(up), up)
+
+    async def _constrained_round(self, enforcer: Enforcer, info: ToolInfo, model: str | None) -> Round:
+        """A round whose call is pinned: the constrained step's content streamed as that call."""
+        up = await enforcer.open_args_stream(info)
+        conv = self._converter(model)
+        conv.base_usage = enforcer.usage
+        return Round(chat_event_batches(up, conv, ContentAsCall(info).feed), up)
 
     # ------------------------------------------------------------------ chat mode and enforcement
 
@@ -194,11 +171,8 @@ class ResponsesHandler:
             try:
                 info = await enforcer.choose_tool()
                 if record.stream:
-                    up = await enforcer.open_args_stream(info)
-                    conv = self._converter(model)
-                    conv.base_usage = enforcer.usage
-                    batches = chat_event_batches(up, conv, ContentAsCall(info).feed)
-                    return self._stream(batches, up, state, record, persist, guard)
+                    return self._stream(await self._constrained_round(enforcer, info, model), state, record,
+                                        persist, guard)
                 final = self._translate_all(await enforcer.args_events(info, state), state)
                 return await self._finish(final, record, persist, guard)
             except Violation as exc:
@@ -219,17 +193,16 @@ class ResponsesHandler:
                        extra: Mapping[str, str], *, guard: Guard | None) -> Outcome:
         """Send the request to the configured upstream API and answer from what comes back (streamed or not);
         ``guard`` checks the answer when enforcement is on."""
+        if record.stream:
+            opened = await self._open_round(body, state.ctx, history, headers, extra, record)
+            if isinstance(opened, Answered):
+                return opened
+            return self._stream(opened, state, record, persist, guard)
         model = body.get("model") if isinstance(body.get("model"), str) else None
         chat = self.settings.upstream_api == "chat"
         path = "/v1/chat/completions" if chat else "/v1/responses"
         upstream_body = build_chat_request(body, state.ctx, history) if chat else \
             build_upstream_request(body, state.ctx, history)
-        if record.stream:
-            up = await self._open_stream(path, upstream_body, headers, extra, record)
-            if isinstance(up, Answered):
-                return up
-            batches = chat_event_batches(up, self._converter(model)) if chat else responses_event_batches(up)
-            return self._stream(batches, up, state, record, persist, guard)
         status, payload = await self.upstream.post_json(path, upstream_body, headers)
         if status >= 400:
             record.upstream_error = f"http_{status}"
@@ -248,7 +221,7 @@ class ResponsesHandler:
     async def _mcp(self, body: dict[str, Any], state: RequestState, record: RequestRecord, persist: Persist | None,
                    history: list[dict[str, Any]], headers: Mapping[str, str], extra: Mapping[str, str],
                    owner: str | None) -> Outcome:
-        """A response whose tools the gateway runs: the tool loop (gateway.server.tool_loop) produces it."""
+        """A response whose tools the gateway runs: the tool loop (gateway.engine.tool_loop) produces it."""
         if self.mcp is None:
             raise InvalidRequest("This gateway does not run mcp tools.", param="tools", code="mcp_not_enabled")
         ctx, executor = self.mcp.bind(state.ctx, body, owner)
@@ -271,52 +244,37 @@ class ResponsesHandler:
         _count_calls(record, final)
         return Answered(final)
 
-    async def _loop_round(self, loop: ToolLoop, translator: FunctionSseTranslator,
-                          round_history: list[dict[str, Any]], withhold: bool) -> AsyncIterator[bytes]:
+    async def loop_round(self, loop: ToolLoop, translator: FunctionSseTranslator,
+                          round_history: list[dict[str, Any]], withhold: bool) -> AsyncIterator[list[ClientEvent]]:
         """One upstream round of the tool loop, pumped into the loop's translator."""
         record = loop.record
         body, ctx = loop.round_body(round_history, withhold)
         body["stream"] = True
         model = body.get("model") if isinstance(body.get("model"), str) else None
-        chat = self.settings.upstream_api == "chat"
         plan = plan_for(ctx, self.settings.tool_choice_enforcement) if translator.round == 0 else plan_for(ctx, "off")
+        opened: Round | Answered
         try:
             if plan.constrain:
                 enforcer = Enforcer(plan, self.upstream, self.settings, body, ctx, loop.history, loop.headers,
                                     record, loop.extra)
-                info = await enforcer.choose_tool()
-                up = await enforcer.open_args_stream(info)
-                conv = self._converter(model)
-                conv.base_usage = enforcer.usage
-                batches = chat_event_batches(up, conv, ContentAsCall(info).feed)
+                opened = await self._constrained_round(enforcer, await enforcer.choose_tool(), model)
             else:
-                path = "/v1/chat/completions" if chat else "/v1/responses"
-                upstream_body = build_chat_request(body, ctx, loop.history) if chat else \
-                    build_upstream_request(body, ctx, loop.history)
-                opened = await self._open_stream(path, upstream_body, loop.headers, loop.extra, record)
+                opened = await self._open_round(body, ctx, loop.history, loop.headers, loop.extra, record)
                 if isinstance(opened, Answered):
                     err = opened.payload.get("error") if isinstance(opened.payload, dict) else None
                     err = err if isinstance(err, dict) else {}
-                    yield b"".join(translator.fail("upstream_error", str(err.get("message") or
-                                                                         "The upstream refused the request.")))
+                    yield translator.fail("upstream_error", str(err.get("message") or
+                                                                "The upstream refused the request."))
                     return
-                up = opened
-                batches = chat_event_batches(up, self._converter(model)) if chat else responses_event_batches(up)
-        except Violation as exc:
-            yield b"".join(translator.fail("tool_choice_violation", str(exc)))
+        except GatewayError as exc:  # a violation, a step's HTTP error, an unreachable upstream
+            yield failed(translator, record, exc)
             return
-        except StepError as exc:
-            record.upstream_error = f"http_{exc.status}"
-            yield b"".join(translator.fail("upstream_error", "An enforcement step's upstream request failed."))
-            return
-        except GatewayError as exc:
-            yield b"".join(translator.fail(exc.code or "upstream_error", exc.message))
-            return
-        async for chunk in self._pump_events(batches, up, translator, record, persist=loop.persist, guard=None):
+        async for chunk in self._pump_events(opened.batches, opened.up, translator, record, persist=loop.persist,
+                                             guard=None):
             yield chunk
 
-    async def _loop_finished(self, translator: FunctionSseTranslator, record: RequestRecord,
-                             persist: Persist | None, frames: list[bytes] | None = None) -> None:
+    async def loop_finished(self, translator: FunctionSseTranslator, record: RequestRecord,
+                             persist: Persist | None, frames: list[ClientEvent] | None = None) -> None:
         """The loop ended the response itself (after running a round's calls): record and store it first. A failed
         store write turns the terminal event in ``frames`` (changed in place) into ``response.failed``."""
         final = translator.final_response
@@ -330,8 +288,8 @@ class ResponsesHandler:
             if frames is not None:
                 frames[:] = out
 
-    async def _persist_frames(self, persist: Persist | None, frames: list[bytes], final: dict[str, Any],
-                              record: RequestRecord) -> tuple[list[bytes], dict[str, Any]]:
+    async def _persist_frames(self, persist: Persist | None, frames: list[ClientEvent], final: dict[str, Any],
+                              record: RequestRecord) -> tuple[list[ClientEvent], dict[str, Any]]:
         """Store the response before its terminal event goes out; if the write fails, the frames end with
         ``response.failed`` (``store_failed``) instead, and that failed response is the final one."""
         if persist is None:
@@ -396,11 +354,11 @@ class ResponsesHandler:
                                      clock=clock)
 
     @staticmethod
-    def _translate_all(events: list[Event], state: RequestState) -> dict[str, Any]:
+    def _translate_all(events: list[UpstreamEvent], state: RequestState) -> dict[str, Any]:
         """A non-streamed answer through the same translator as a stream: one code path for both."""
         translator = FunctionSseTranslator(state, ids=new_id)
-        for event, data in events:
-            translator.feed(event, data)
+        for ev in events:
+            translator.feed(ev)
             if translator.finished:
                 break
         translator.finish()
@@ -427,7 +385,7 @@ class ResponsesHandler:
         record.response_status = "failed"
         return await self._made_here_stored(persist, frames, final, record)
 
-    async def _made_here_stored(self, persist: Persist | None, frames: list[bytes], final: dict[str, Any],
+    async def _made_here_stored(self, persist: Persist | None, frames: list[ClientEvent], final: dict[str, Any],
                                 record: RequestRecord) -> Outcome:
         """A response the gateway made, stored first: a failed write is a 500 (not streamed) or the stream's
         ``response.failed``."""
@@ -438,8 +396,9 @@ class ResponsesHandler:
         frames, final = await self._persist_frames(persist, frames, final, record)
         return _made_here(frames, final, record)
 
-    def _stream(self, batches: AsyncIterator[list[Event]], up: UpstreamResponse, state: RequestState,
-                record: RequestRecord, persist: Persist | None, guard: Guard | None) -> Outcome:
+    def _stream(self, opened: Round, state: RequestState, record: RequestRecord, persist: Persist | None,
+                guard: Guard | None) -> Outcome:
+        batches, up = opened.batches, opened.up
         translator = FunctionSseTranslator(state, ids=new_id)
         if guard is not None and guard.plan.regenerate:
             takeover = GrammarTakeover(state.ctx, guard.enforcer, lambda: _so_far(translator))
@@ -447,9 +406,9 @@ class ResponsesHandler:
             batches = takeover.run(batches, up)
         return Streamed(self._pump_events(batches, up, translator, record, persist, guard))
 
-    async def _pump_events(self, batches: AsyncIterator[list[Event]], up: UpstreamResponse,
+    async def _pump_events(self, batches: AsyncIterator[list[UpstreamEvent]], up: UpstreamResponse,
                            translator: FunctionSseTranslator, record: RequestRecord, persist: Persist | None,
-                           guard: Guard | None) -> AsyncIterator[bytes]:
+                           guard: Guard | None) -> AsyncIterator[list[ClientEvent]]:
         """Client frames from upstream event batches (chat chunks already converted), written as they come.
 
         Nothing is held here: the guard sees only the last frames (the terminal event) before the client
@@ -458,11 +417,11 @@ class ResponsesHandler:
         feed = translator.feed
         source = self.drain.guard(batches) if self.drain is not None else batches
         try:
-            out: list[bytes] = []
+            out: list[ClientEvent] = []
             try:
                 async for events in source:
-                    for event, data in events:
-                        out += feed(event, data)
+                    for ev in events:
+                        out += feed(ev)
                         if translator.finished or translator.round_done:
                             break
                     if translator.finished or translator.round_done:
@@ -470,24 +429,12 @@ class ResponsesHandler:
                     if out:
                         if record.ttfb is None:
                             record.ttfb = time.perf_counter() - record.started
-                        yield b"".join(out)
+                        yield out
                         out = []
                 else:
                     out += translator.finish()
-            except ShuttingDown:
-                out += translator.fail("gateway_shutting_down", "The gateway is shutting down; the stream was "
-                                       "ended after the drain period. Retry the request.")
-            except httpx.ReadTimeout:
-                record.upstream_error = "idle_timeout"
-                out += translator.fail("stream_idle_timeout", f"No upstream event for "
-                                       f"{self.settings.stream_idle_timeout:g} seconds; the gateway ended the stream.")
-            except httpx.HTTPError as exc:
-                record.upstream_error = "stream_broken"
-                out += translator.fail("upstream_connection_error",
-                                       f"The upstream connection broke mid-stream ({type(exc).__name__}).")
-            except StepError as exc:  # a regeneration step's upstream error: the answer so far, then failed
-                record.upstream_error = f"http_{exc.status}"
-                out += translator.fail("upstream_error", "An enforcement step's upstream request failed.")
+            except StreamFailure as exc:  # the drain, a broken or idle upstream, a takeover step's HTTP error
+                out += failed(translator, record, exc)
             final = translator.final_response
             if guard is not None:
                 out, final = guard.end(out, final)
@@ -503,7 +450,7 @@ class ResponsesHandler:
             if out:
                 if record.ttfb is None:
                     record.ttfb = time.perf_counter() - record.started
-                yield b"".join(out)
+                yield out
         finally:
             stats = translator.stats  # recorded first: a cancelled task may not get past the awaits below
             record.tool_calls = {"custom": stats.custom_calls, "function": stats.function_calls}
@@ -528,72 +475,6 @@ class ResponsesHandler:
 
     def _should_store(self, body: dict[str, Any]) -> bool:
         return self.store is not None and body.get("store", True) is not False
-
-    async def _resolve_references(self, body: dict[str, Any], owner: str | None = None,
-                                  budget: HistoryBudget | None = None) -> dict[str, Any]:
-        """``item_reference`` inputs replaced by the stored items they name (any input or output item), bounded by
-        ``budget`` while they are loaded."""
-        raw = body.get("input")
-        if not isinstance(raw, list):
-            return body
-        refs = {i: item for i, item in enumerate(raw)
-                if isinstance(item, dict) and item.get("type") == "item_reference"}
-        if not refs:
-            return body
-        for i, item in refs.items():
-            if not isinstance(item.get("id"), str) or not item["id"]:
-                raise InvalidRequest("An item_reference needs the id of a stored item.", param=f"input[{i}].id",
-                                     code="invalid_value")
-        if self.store is None:
-            raise InvalidRequest("item_reference needs a response store, and this gateway runs with --store none.",
-                                 param=f"input[{min(refs)}]", code="store_disabled")
-        try:
-            found = await self.store.get_items([item["id"] for item in refs.values()], owner=owner,
-                                               max_bytes=None if budget is None else budget.left)
-        except HistoryTooLargeError as exc:
-            assert budget is not None
-            at = next((i for i, item in refs.items() if item["id"] == exc.item_id), min(refs))
-            raise budget.exceeded(f"input[{at}].id") from None
-        if budget is not None:
-            budget.left -= sum(len(orjson.dumps(item)) for item in found.values())
-        for i, item in refs.items():
-            if item["id"] not in found:
-                raise InvalidRequest(f"Item with id '{item['id']}' not found.", param=f"input[{i}].id",
-                                     code="item_not_found")
-        return {**body, "input": [found[item["id"]] if i in refs else item for i, item in enumerate(raw)]}
-
-    async def _history(self, body: dict[str, Any], owner: str | None = None, turn: Turn | None = None,
-                       budget: HistoryBudget | None = None) -> list[dict[str, Any]]:
-        max_bytes = None if budget is None else max(budget.left, 0)
-        try:  # the `conversation` field's items
-            conversation = await conversation_history(self.store, body, owner, max_bytes=max_bytes)
-        except HistoryTooLargeError:
-            assert budget is not None
-            raise budget.exceeded("conversation") from None
-        if conversation is not None:
-            return conversation
-        prev = body.get("previous_response_id")
-        if not prev:
-            return []
-        local = turn.local_history(prev) if turn is not None else None
-        if local is not None:
-            return local
-        if turn is not None and self.store is None:  # found nowhere: not on this connection, and no store
-            raise NotFound(f"Response with id '{prev}' not found.", param="previous_response_id")
-        if self.store is None:
-            raise InvalidRequest("previous_response_id needs a response store, and this gateway runs with "
-                                 "--store none.", param="previous_response_id", code="store_disabled")
-        try:
-            chain = await self.store.get_chain(prev, owner=owner, max_bytes=max_bytes)
-        except HistoryTooLargeError:
-            assert budget is not None
-            raise budget.exceeded("previous_response_id") from None
-        except BrokenChainError as exc:
-            raise NotFound(f"Response with id '{prev}' cannot be continued: an earlier response in its chain "
-                           f"('{exc.missing_id}') no longer exists.", param="previous_response_id") from None
-        if not chain:
-            raise NotFound(f"Response with id '{prev}' not found.", param="previous_response_id")
-        return history_from_chain(chain)
 
     def _persister(self, body: dict[str, Any], state: RequestState,
                    owner: str | None = None) -> Callable[[dict[str, Any]], Awaitable[None]]:
@@ -631,6 +512,23 @@ class ResponsesHandler:
         return persist
 
 
+@dataclass(frozen=True, slots=True)
+class Round:
+    """An upstream round's open stream: its event batches (whichever API answered) and the response to release or
+    close at its end."""
+
+    batches: AsyncIterator[list[UpstreamEvent]]
+    up: UpstreamResponse
+
+
+def failed(translator: FunctionSseTranslator, record: RequestRecord, exc: GatewayError) -> list[ClientEvent]:
+    """End the response with ``response.failed`` for ``exc``: the error carries its code (and, for a stream
+    failure, what the request log records as ``upstream_error``)."""
+    if isinstance(exc, StreamFailure) and exc.upstream_error is not None:
+        record.upstream_error = exc.upstream_error
+    return translator.fail(exc.code or "upstream_error", exc.message)
+
+
 def _so_far(translator: FunctionSseTranslator) -> tuple[dict[str, Any] | None, str]:
     """The upstream's response snapshot and the assistant text streamed so far (for a takeover step)."""
     acc = translator.acc
@@ -639,41 +537,13 @@ def _so_far(translator: FunctionSseTranslator) -> tuple[dict[str, Any] | None, s
     return acc.snapshot, text
 
 
-@dataclass(frozen=True, slots=True)
-class Answered:
-    """A JSON answer: a non-streamed Response (200) or an error in OpenAI's shape with its status."""
-
-    payload: Any
-    status: int = 200
-
-
-@dataclass(frozen=True, slots=True)
-class Streamed:
-    """The client's SSE frames, in order, ending with the terminal event (``event: …\ndata: {json}\n\n``)."""
-
-    frames: AsyncIterator[bytes]
-
-
-Outcome = Answered | Streamed
-
-
-@dataclass
-class Turn:
-    """One response on a WebSocket connection: the connection's cache of recent responses, and what the
-    response used (its history and input items, which the connection caches for the next turn)."""
-
-    local_history: Callable[[str], list[dict[str, Any]] | None]
-    history: list[dict[str, Any]] = field(default_factory=list)
-    input_items: list[dict[str, Any]] = field(default_factory=list)
-
-
-def _made_here(frames: list[bytes], final: dict[str, Any], record: RequestRecord) -> Outcome:
-    """A response the gateway made without an upstream stream: its frames at once, or the body."""
+def _made_here(frames: list[ClientEvent], final: dict[str, Any], record: RequestRecord) -> Outcome:
+    """A response the gateway made without an upstream stream: its events at once, or the body."""
     if not record.stream:
         return Answered(final)
 
-    async def once() -> AsyncIterator[bytes]:
-        yield b"".join(frames)
+    async def once() -> AsyncIterator[list[ClientEvent]]:
+        yield frames
 
     return Streamed(once())
 
@@ -683,25 +553,13 @@ def _store_failed_response(final: Mapping[str, Any]) -> bool:
     return final.get("status") == "failed" and isinstance(error, dict) and error.get("code") == STORE_FAILED
 
 
-def _store_failed_frames(frames: list[bytes], final: dict[str, Any]) -> tuple[list[bytes], dict[str, Any]]:
-    """``frames`` with their terminal event (the last frame) replaced by ``response.failed`` (``store_failed``),
+def _store_failed_frames(frames: list[ClientEvent], final: dict[str, Any]
+                         ) -> tuple[list[ClientEvent], dict[str, Any]]:
+    """``frames`` with their terminal event (the last one) replaced by ``response.failed`` (``store_failed``),
     and that failed response."""
     exc = StoreWriteFailed()
     failed = {**final, "status": "failed", "error": {"code": exc.code, "message": exc.message}}
-    out = list(frames)
-    seq = 0
-    if out:
-        head, _, data = out[-1].partition(b"\ndata: ")
-        try:
-            seq = int(orjson.loads(data).get("sequence_number", -1)) + 1
-        except (orjson.JSONDecodeError, AttributeError, TypeError, ValueError):
-            seq = 0
-        if head in _TERMINAL_HEADS:
-            out.pop()
-            seq -= 1  # the failed event takes the terminal event's place
-    event = {"type": "response.failed", "sequence_number": seq, "response": failed}
-    out.append(b"event: response.failed\ndata: " + orjson.dumps(event) + b"\n\n")
-    return out, failed
+    return with_failed_terminal(frames, failed), failed
 
 
 def _count_calls(record: RequestRecord, final: dict[str, Any]) -> None:

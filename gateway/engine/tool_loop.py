@@ -1,5 +1,5 @@
 """The tool loop: one client response over several upstream rounds, running gateway-owned (MCP) calls between
-them. Transport-independent: it yields the client's SSE frames, which the HTTP handler streams (or collects for
+them. Transport-independent: it yields the client's events, which the HTTP handler streams (or collects for
 a non-streamed answer), and which the WebSocket transport and background runs consume too. No starlette here.
 
 A response with MCP tools runs as:
@@ -37,9 +37,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 import orjson
 import structlog
 
+from gateway.config import Settings
+from gateway.engine.drain import Drain, ShuttingDown
+from gateway.engine.outcome import Persist
 from gateway.errors import InvalidRequest
+from gateway.protocol.events import ClientEvent
 from gateway.runtime import new_id
-from gateway.server.shutdown import ShuttingDown
 from gateway.translate.approvals import ApprovalSigner
 from gateway.translate.mcp_items import CEILING_APPROVAL, McpCallOutcome, list_tools_item, mcp_call_item, tool_allowed
 from gateway.translate.restore import RequestState
@@ -47,7 +50,7 @@ from gateway.translate.tool_context import ResolvedToolContext, with_mcp_tools
 from gateway.translate.translator import FunctionSseTranslator
 
 if TYPE_CHECKING:
-    from gateway.server.record import RequestRecord
+    from gateway.engine.record import RequestRecord
 
 log = structlog.get_logger("gateway.mcp")
 
@@ -111,7 +114,8 @@ class LazyMcpHub:
 
     def bind(self, ctx: ResolvedToolContext, body: Mapping[str, Any], owner: str | None = None
              ) -> tuple[ResolvedToolContext, McpExecutor]:
-        return self._load().bind(ctx, body, owner)
+        hub: McpHub = self._load()
+        return hub.bind(ctx, body, owner)
 
     async def aclose(self) -> None:
         if self._hub is not None:
@@ -199,14 +203,28 @@ def _parse_args(arguments: str) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
-class ToolLoop:
-    """One response's rounds. ``handler`` opens upstream rounds and pumps them (gateway.server.responses)."""
+class RoundHost(Protocol):
+    """What the loop needs from the engine (gateway.engine.respond): an upstream round pumped into the loop's
+    translator, and the response stored once the loop ends it itself."""
 
-    def __init__(self, handler: Any, body: dict[str, Any], state: RequestState, history: list[dict[str, Any]],
+    settings: Settings
+    drain: Drain | None
+
+    def loop_round(self, loop: ToolLoop, translator: FunctionSseTranslator, round_history: list[dict[str, Any]],
+                   withhold: bool) -> AsyncIterator[list[ClientEvent]]: ...
+
+    async def loop_finished(self, translator: FunctionSseTranslator, record: RequestRecord, persist: Persist | None,
+                            frames: list[ClientEvent] | None = None) -> None: ...
+
+
+class ToolLoop:
+    """One response's rounds; ``host`` opens the upstream rounds and pumps them."""
+
+    def __init__(self, host: RoundHost, body: dict[str, Any], state: RequestState, history: list[dict[str, Any]],
                  headers: Mapping[str, str], extra: Mapping[str, str], record: RequestRecord,
-                 persist: Any, executor: McpExecutor, owner: str | None = None) -> None:
-        self.handler = handler
-        self.settings = handler.settings
+                 persist: Persist | None, executor: McpExecutor, owner: str | None = None) -> None:
+        self.host = host
+        self.settings = host.settings
         self.body = body
         self.state = state
         self.history = history
@@ -302,10 +320,10 @@ class ToolLoop:
 
     # ------------------------------------------------------------------ the rounds
 
-    async def frames(self, state: RequestState, shown: list[Shown]) -> AsyncGenerator[bytes, None]:
+    async def frames(self, state: RequestState, shown: list[Shown]) -> AsyncGenerator[list[ClientEvent], None]:
         translator = FunctionSseTranslator(state, mint_approval=self._mint, ids=new_id)
         self.translator = translator
-        out: list[bytes] = []
+        out: list[ClientEvent] = []
         for item in shown:
             out += translator.owned_item(item.opened, item.events, item.final)
         round_history: list[dict[str, Any]] = []
@@ -321,12 +339,12 @@ class ToolLoop:
             round_history.append(ran)
         if not out:
             out += translator.start()
-        yield b"".join(out)
+        yield out
         rounds_run = 0
         while True:
             withhold = rounds_run >= self.settings.max_tool_rounds or (
                 self.max_calls is not None and self.executed >= self.max_calls)
-            async for chunk in self.handler._loop_round(self, translator, round_history, withhold):
+            async for chunk in self.host.loop_round(self, translator, round_history, withhold):
                 yield chunk
             if translator.finished or not translator.round_done:
                 return
@@ -334,7 +352,7 @@ class ToolLoop:
             if withhold:  # the tools were withheld and the model called one anyway: shown, not run
                 for call in calls:
                     self.record.mcp_calls.append((self._metric_label(call["server_label"]), "not_run", None))
-                    yield b"".join(translator.complete_owned(call["key"], error=WITHHELD))
+                    yield translator.complete_owned(call["key"], error=WITHHELD)
             else:
                 async for chunk in self._run_calls(translator, calls):
                     yield chunk
@@ -345,8 +363,8 @@ class ToolLoop:
             rounds_run += 1
             if withhold or translator.client_calls_in_round or translator.approval_requested:
                 frames = translator.end()
-                await self.handler._loop_finished(translator, self.record, self.persist, frames)
-                yield b"".join(frames)
+                await self.host.loop_finished(translator, self.record, self.persist, frames)
+                yield frames
                 return
             translator.next_round()
 
@@ -365,12 +383,12 @@ class ToolLoop:
         return body, ctx
 
     async def _run_calls(self, translator: FunctionSseTranslator, calls: list[dict[str, Any]]
-                         ) -> AsyncIterator[bytes]:
+                         ) -> AsyncIterator[list[ClientEvent]]:
         budget = None if self.max_calls is None else max(self.max_calls - self.executed, 0)
         runnable = calls if budget is None else calls[:budget]
         for call in calls[len(runnable):]:
             self.record.mcp_calls.append((self._metric_label(call["server_label"]), "not_run", None))
-            yield b"".join(translator.complete_owned(call["key"], error=NOT_RUN))
+            yield translator.complete_owned(call["key"], error=NOT_RUN)
         self.executed += len(runnable)
         sem = asyncio.Semaphore(CALL_CONCURRENCY)
 
@@ -384,20 +402,20 @@ class ToolLoop:
             for next_done in asyncio.as_completed(tasks):
                 yield await next_done
 
-        drain = getattr(self.handler, "drain", None)
+        drain = self.host.drain
         source = drain.guard(results()) if drain is not None else results()
         try:
             async for call, result in source:
-                yield b"".join(translator.complete_owned(call["key"], output=result.output, error=result.error))
+                yield translator.complete_owned(call["key"], output=result.output, error=result.error)
         except ShuttingDown:
             # The drain period is over: calls still running are abandoned, and the response ends failed.
-            out: list[bytes] = []
+            out: list[ClientEvent] = []
             for call in runnable:
                 out += translator.complete_owned(call["key"], error=SHUTDOWN)
             out += translator.fail("gateway_shutting_down", "The gateway is shutting down; the response was ended "
                                    "after the drain period. Retry the request.")
-            await self.handler._loop_finished(translator, self.record, self.persist, out)
-            yield b"".join(out)
+            await self.host.loop_finished(translator, self.record, self.persist, out)
+            yield out
         finally:
             for task in tasks:
                 task.cancel()

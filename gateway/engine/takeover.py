@@ -35,15 +35,14 @@ import structlog
 
 from gateway.enforce.constrain import InputContinuation
 from gateway.enforce.validate import check_input
+from gateway.protocol.events import UpstreamEvent
 from gateway.protocol.ids import custom_call_item_id
-from gateway.protocol.sse import SseParser
-from gateway.translate.chat import Event
 from gateway.translate.tool_context import ResolvedToolContext, ToolInfo
-from gateway.upstream.chat import chat_chunk_events
+from gateway.upstream.chat import chat_event_batches
 from gateway.upstream.client import UpstreamResponse
 
 if TYPE_CHECKING:
-    from gateway.enforce.runner import Enforcer
+    from gateway.engine.enforcer import Enforcer
 
 log = structlog.get_logger("gateway.enforce")
 
@@ -68,12 +67,15 @@ class GrammarTakeover:
         self.checked: set[str] = set()  # client item ids of calls taken over (checked here, once)
         self.taken_over = False
 
-    def _grammar_call(self, data: str | dict[str, Any]) -> tuple[dict[str, Any], ToolInfo] | None:
-        # Cheap: only call openings are parsed. An event the chat converter built arrives as a dict and is not
-        # looked at (so no takeover on --upstream-api chat, as before; typed events are to change that).
-        if not isinstance(data, str) or '"function_call"' not in data:
+    def _grammar_call(self, ev: UpstreamEvent) -> tuple[dict[str, Any], ToolInfo] | None:
+        if ev.text and '"function_call"' not in ev.text:  # cheap: only call openings are parsed
             return None
-        d = orjson.loads(data)
+        try:
+            d = ev.json()
+        except orjson.JSONDecodeError:
+            return None  # the translator fails the response on it
+        if not isinstance(d, dict):
+            return None
         item = d.get("item")
         if not isinstance(item, dict) or item.get("type") != "function_call" or not item.get("name"):
             return None
@@ -84,13 +86,14 @@ class GrammarTakeover:
             return None
         return d, info
 
-    async def run(self, batches: AsyncIterator[list[Event]], up: UpstreamResponse) -> AsyncIterator[list[Event]]:
+    async def run(self, batches: AsyncIterator[list[UpstreamEvent]], up: UpstreamResponse
+                  ) -> AsyncIterator[list[UpstreamEvent]]:
         try:
             async for events in batches:
-                for i, (etype, data) in enumerate(events):
-                    if etype != ADDED:
+                for i, ev in enumerate(events):
+                    if ev.event != ADDED:
                         continue
-                    found = self._grammar_call(data)
+                    found = self._grammar_call(ev)
                     if found is None:
                         continue
                     # Show everything up to and including the call's opening now; the pump feeds it to
@@ -120,7 +123,7 @@ class GrammarTakeover:
                 await aclose()
 
     async def _open(self, info: ToolInfo) -> UpstreamResponse | None:
-        from gateway.enforce.runner import StepError  # runner imports this module
+        from gateway.engine.enforcer import StepError  # runner imports this module
 
         _, text = self.so_far()
         started = time.perf_counter()
@@ -135,25 +138,21 @@ class GrammarTakeover:
             return None
 
     async def _continue(self, step: UpstreamResponse, added: dict[str, Any], info: ToolInfo
-                        ) -> AsyncGenerator[list[Event], None]:
+                        ) -> AsyncGenerator[list[UpstreamEvent], None]:
         snapshot, _ = self.so_far()
         cont = InputContinuation(added, snapshot, self.enforcer.usage)
-        parser = SseParser()
         started = time.perf_counter()
         checked = False
         try:
-            out: list[Event] = cont.start()
-            async for raw in step.aiter_bytes():
-                for _event, data in parser.feed(raw):
-                    out += chat_chunk_events(data, cont)
-                if cont.finish_reason is not None and not checked:
-                    checked = True  # before the call's done event reaches the client (and the metric)
-                    self._check(cont, info, started)
-                if out:
+            out: list[UpstreamEvent] = cont.start()
+            async with contextlib.aclosing(chat_event_batches(step, cont)) as batches:
+                async for events in batches:
+                    out += events
+                    if cont.finish_reason is not None and not checked:
+                        checked = True  # before the call's done event reaches the client (and the metric)
+                        self._check(cont, info, started)
                     yield out
                     out = []
-            for _event, data in parser.close():
-                out += chat_chunk_events(data, cont)
             if cont.finish_reason is not None and not checked:
                 checked = True
                 self._check(cont, info, started)

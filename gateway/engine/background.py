@@ -1,16 +1,17 @@
 """Background responses (``background: true``): a run detached from the client, durable stream events, streams
 resumable from any replica, cancellation from any replica, and leases so that a run whose replica died ends.
 
-One ``BackgroundRuns`` registry per process (created by the app's lifespan, handed to ``ResponsesHandler``):
+One ``BackgroundRuns`` registry per process (created by the app's lifespan, handed to the engine):
 
 - ``start()`` answers the create call at once. It writes the response row as ``queued`` (so ``GET`` works
-  immediately), leased to this replica, and runs ``handler.respond({...body, "stream": True}, …)`` in a task
-  of its own: the client leaving (or never reading a stream) does not stop it. A streamed create is answered
-  with a follower of that run, like ``GET …?stream=true``.
-- The run parses each SSE frame the producer yields, keeps its ``sequence_number``, and appends the events
-  to the store in batches (every ``FLUSH_SECONDS`` or ``FLUSH_EVENTS`` events, and at once for the terminal
-  event). Live events also go to this process's followers through bounded queues; a follower that falls
-  ``SUBSCRIBER_QUEUE`` events behind is dropped from the live feed and catches up from the store.
+  immediately), leased to this replica, and runs ``produce({...body, "stream": True}, …)`` (the engine's
+  respond, handed in: this module does not import it) in a task of its own: the client leaving (or never
+  reading a stream) does not stop it. A streamed create is answered with a follower of that run, like
+  ``GET …?stream=true``.
+- The run takes the client events the producer yields (their objects are the stored rows: nothing is parsed
+  back), and appends them to the store in batches (every ``FLUSH_SECONDS`` or ``FLUSH_EVENTS`` events, and at
+  once for the terminal event). Live events also go to this process's followers through bounded queues; a
+  follower that falls ``SUBSCRIBER_QUEUE`` events behind is dropped from the live feed and catches up from the store.
 - The row's status follows ``queued → in_progress → completed | incomplete | failed | cancelled``: in_progress
   at the first event, the final status by the producer's persist step (before its terminal frame), and a
   final status is never replaced (the store drops later writes).
@@ -39,27 +40,25 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import orjson
 import structlog
 
+from gateway.engine.drain import ABORT_GRACE, Drain
+from gateway.engine.history import public_input_items
+from gateway.engine.outcome import Answered, Outcome, Streamed
+from gateway.engine.record import RequestRecord
+from gateway.engine.tally import BACKGROUND, Tally
 from gateway.errors import GatewayError, InvalidRequest, RateLimited, ServiceUnavailable
-from gateway.protocol.sse import SseParser
+from gateway.protocol.events import TERMINAL_TYPES as TERMINAL_EVENTS
+from gateway.protocol.events import ClientEvent
 from gateway.runtime import new_id
-from gateway.server.limits import BACKGROUND, Tally
-from gateway.server.record import RequestRecord
-from gateway.server.responses import Answered, Outcome, Streamed, public_input_items
-from gateway.server.shutdown import ABORT_GRACE, Drain
 from gateway.store import ResponseStore, StoredResponse
 from gateway.store.base import RUNNING_STATUSES
 from gateway.translate.restore import build_request_state, restore_response
 from gateway.translate.tool_context import resolve_tool_context
-
-if TYPE_CHECKING:
-    from gateway.server.responses import ResponsesHandler
 
 log = structlog.get_logger("gateway.background")
 
@@ -79,31 +78,35 @@ PAGE = 500
 
 STOPPED_ERROR = {"code": "gateway_stopped",
                  "message": "The gateway that ran this response stopped before it finished."}
-TERMINAL_EVENTS = frozenset({"response.completed", "response.incomplete", "response.failed"})
 
 
 @dataclass(frozen=True, slots=True)
 class RunIdentity:
-    """What a background run's response is known by before it starts: handed to ``respond(…, run=…)``."""
+    """What a background run's response is known by before it starts: handed to ``produce``."""
 
     response_id: str
     created_at: int
 
 
-def _frame(event: Mapping[str, Any]) -> bytes:
-    return b"event: " + str(event.get("type")).encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n"
+# The producer of a run's response (the engine's respond, with the run's identity): no import of it here.
+Produce = Callable[[dict[str, Any], Mapping[str, str], str | None, RequestRecord, RunIdentity], Awaitable[Outcome]]
+
+
+def _row_event(row: dict[str, Any]) -> ClientEvent:
+    """A stored row as the client event it was (rows are the events' objects: the background-run encoding)."""
+    return ClientEvent.of(row)
 
 
 class _Subscriber:
-    """One follower's live feed: (sequence number, frame, terminal), None at the end or once dropped."""
+    """One follower's live feed: events, None at the end or once dropped."""
 
     __slots__ = ("dropped", "queue")
 
     def __init__(self) -> None:
-        self.queue: asyncio.Queue[tuple[int, bytes, bool] | None] = asyncio.Queue(SUBSCRIBER_QUEUE)
+        self.queue: asyncio.Queue[ClientEvent | None] = asyncio.Queue(SUBSCRIBER_QUEUE)
         self.dropped = False
 
-    def offer(self, item: tuple[int, bytes, bool] | None) -> None:
+    def offer(self, item: ClientEvent | None) -> None:
         if self.dropped:
             return
         try:
@@ -111,7 +114,7 @@ class _Subscriber:
         except asyncio.QueueFull:  # too slow: it reads the rest from the store
             self.dropped = True
 
-    async def get(self) -> tuple[int, bytes, bool] | None:
+    async def get(self) -> ClientEvent | None:
         if self.dropped and self.queue.empty():
             return None
         return await self.queue.get()
@@ -123,7 +126,7 @@ class _Run:
     owner: str | None
     snapshot: dict[str, Any]  # the latest response object: queued, then each event's
     task: asyncio.Task[None] | None = None
-    pending: list[tuple[dict[str, Any], bytes, bool]] = field(default_factory=list)  # produced, not yet stored
+    pending: list[ClientEvent] = field(default_factory=list)  # produced, not yet stored
     subscribers: set[_Subscriber] = field(default_factory=set)
     dirty: asyncio.Event = field(default_factory=asyncio.Event)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -134,12 +137,12 @@ class _Run:
 
     def subscribe(self) -> _Subscriber:
         sub = _Subscriber()
-        for event, frame, terminal in self.pending:  # not in the store yet: the follower gets them from here
-            sub.offer((int(event["sequence_number"]), frame, terminal))
+        for event in self.pending:  # not in the store yet: the follower gets them from here
+            sub.offer(event)
         self.subscribers.add(sub)
         return sub
 
-    def publish(self, item: tuple[int, bytes, bool] | None) -> None:
+    def publish(self, item: ClientEvent | None) -> None:
         for sub in list(self.subscribers):
             sub.offer(item)
             if sub.dropped:
@@ -218,7 +221,7 @@ class BackgroundRuns:
 
     # ------------------------------------------------------------------ create
 
-    async def start_run(self, handler: ResponsesHandler, body: dict[str, Any], headers: Mapping[str, str],
+    async def start_run(self, produce: Produce, body: dict[str, Any], headers: Mapping[str, str],
                         owner: str | None, record: RequestRecord) -> Outcome:
         """``POST /v1/responses`` with ``background: true``: the queued Response (or, streamed, the run's events)
         at once; the run goes on in its own task."""
@@ -250,21 +253,21 @@ class BackgroundRuns:
                                 tool_context=ctx.describe(), updated_at=identity.created_at, owner=owner)
         run_record = RequestRecord(request_id=record.request_id, route="background", started=time.perf_counter())
         # Shielded: a client leaving while the row is written does not leave a row without its run.
-        await asyncio.shield(self._launch(run, stored, handler, body, headers, run_record))
+        await asyncio.shield(self._launch(run, stored, produce, body, headers, run_record))
         record.response_status = "queued"
         log.info("background_started", response_id=identity.response_id, request_id=record.request_id)
         if body.get("stream"):
             return Streamed(self.follow(identity.response_id, -1, owner))
         return Answered(queued)
 
-    async def _launch(self, run: _Run, stored: StoredResponse, handler: ResponsesHandler, body: dict[str, Any],
+    async def _launch(self, run: _Run, stored: StoredResponse, produce: Produce, body: dict[str, Any],
                       headers: Mapping[str, str], record: RequestRecord) -> None:
         try:
             await self.store.create_background(stored, self.lease_owner, time.time() + LEASE_SECONDS)
         except BaseException:
             self._forget(stored.id)
             raise
-        run.task = asyncio.create_task(self._run(run, handler, dict(body), dict(headers), record))
+        run.task = asyncio.create_task(self._run(run, produce, dict(body), dict(headers), record))
 
     def _forget(self, response_id: str) -> None:
         run = self.runs.pop(response_id, None)
@@ -273,15 +276,14 @@ class BackgroundRuns:
 
     # ------------------------------------------------------------------ the run
 
-    async def _run(self, run: _Run, handler: ResponsesHandler, body: dict[str, Any], headers: dict[str, str],
+    async def _run(self, run: _Run, produce: Produce, body: dict[str, Any], headers: dict[str, str],
                    record: RequestRecord) -> None:
         rid = run.identity.response_id
         flusher = asyncio.create_task(self._flusher(run))
-        frames: AsyncIterator[bytes] | None = None
+        frames: AsyncIterator[list[ClientEvent]] | None = None
         try:
             try:
-                outcome = await handler.respond({**body, "stream": True}, headers, run.owner, record,
-                                                run=run.identity)
+                outcome = await produce({**body, "stream": True}, headers, run.owner, record, run.identity)
             except GatewayError as exc:  # refused before anything streamed (an unknown previous_response_id, …)
                 await self._fail(run, exc.code or exc.type, exc.message)
                 return
@@ -291,13 +293,10 @@ class BackgroundRuns:
                 await self._fail(run, str(err.get("code") or "upstream_error"),
                                  str(err.get("message") or f"The upstream answered HTTP {outcome.status}."))
                 return
-            frames = outcome.frames
-            parser = SseParser()
-            async for chunk in frames:
-                for etype, data in parser.feed(chunk):
-                    await self._event(run, etype, data)
-            for etype, data in parser.close():
-                await self._event(run, etype, data)
+            frames = outcome.events
+            async for batch in frames:
+                for event in batch:
+                    await self._event(run, event)
             if run.terminal_seen:
                 await self._flush(run)
                 # Normally a no-op (the persist step already wrote the final row); covers a failed store write,
@@ -329,22 +328,13 @@ class BackgroundRuns:
             log.info("background_ended", response_id=rid, status=run.snapshot.get("status"),
                      stop=run.stop_reason)
 
-    async def _event(self, run: _Run, etype: str, data: str) -> None:
-        try:
-            event = orjson.loads(data)
-        except orjson.JSONDecodeError:
-            return
-        if not isinstance(event, dict):
-            return
-        if not isinstance(event.get("sequence_number"), int):
-            event["sequence_number"] = (int(run.pending[-1][0]["sequence_number"]) + 1) if run.pending else 0
-        frame = f"event: {etype}\ndata: {data}\n\n".encode()
-        terminal = etype in TERMINAL_EVENTS
-        response = event.get("response")
+    async def _event(self, run: _Run, event: ClientEvent) -> None:
+        terminal = event.terminal
+        response = event.payload.get("response")
         if isinstance(response, dict):
             run.snapshot = response
-        run.pending.append((event, frame, terminal))
-        run.publish((int(event["sequence_number"]), frame, terminal))
+        run.pending.append(event)
+        run.publish(event)
         if not run.started and isinstance(response, dict):
             run.started = True
             await self._safe(self.store.set_status(run.identity.response_id, "in_progress", response,
@@ -371,7 +361,7 @@ class BackgroundRuns:
                 return True
             batch = list(run.pending)
             try:
-                await self.store.append_events(run.identity.response_id, [event for event, _, _ in batch])
+                await self.store.append_events(run.identity.response_id, [event.payload for event in batch])
             except Exception as exc:  # kept; the next flush retries
                 log.warning("background_events_write_failed", response_id=run.identity.response_id,
                             error=type(exc).__name__)
@@ -389,7 +379,7 @@ class BackgroundRuns:
         if await self._safe(self.store.set_status(run.identity.response_id, "failed", response, event=event,
                                                   lease_owner=self.lease_owner)):
             run.snapshot = response
-            run.publish((int(event["sequence_number"]), _frame(event), True))
+            run.publish(_row_event(event))
 
     @staticmethod
     async def _safe(write: Any) -> bool:
@@ -477,8 +467,8 @@ class BackgroundRuns:
 
     # ------------------------------------------------------------------ followers
 
-    async def follow(self, response_id: str, after: int, owner: str | None) -> AsyncIterator[bytes]:
-        """The response's events after sequence number ``after`` (stored, then live) as SSE frames, ending
+    async def follow(self, response_id: str, after: int, owner: str | None) -> AsyncIterator[list[ClientEvent]]:
+        """The response's events after sequence number ``after`` (stored, then live), ending
         with its terminal event (a cancelled one: after its last event)."""
         cursor = _Cursor(after)
         waiter = asyncio.Event()
@@ -495,12 +485,11 @@ class BackgroundRuns:
                         if cursor.ended:
                             return
                         while (item := await sub.get()) is not None:
-                            seq, frame, terminal = item
-                            if seq <= cursor.last:
+                            if item.sequence_number <= cursor.last:
                                 continue
-                            cursor.last = seq
-                            yield frame
-                            if terminal:
+                            cursor.last = item.sequence_number
+                            yield [item]
+                            if item.terminal:
                                 return
                     finally:
                         run.subscribers.discard(sub)
@@ -523,8 +512,8 @@ class BackgroundRuns:
                             # Final, its terminal event not stored yet: the run writes it right after the row.
                             final_since = time.monotonic()
                         elif time.monotonic() - final_since > TERMINAL_GRACE_SECONDS:
-                            yield _frame({"type": f"response.{rec.status}", "sequence_number": cursor.last + 1,
-                                          "response": rec.response})
+                            yield [_row_event({"type": f"response.{rec.status}",
+                                               "sequence_number": cursor.last + 1, "response": rec.response})]
                             return
                     if self.drain is not None and self.drain.aborted:
                         return  # shutting down: the client resumes elsewhere with starting_after
@@ -543,7 +532,8 @@ class BackgroundRuns:
         at = await self.store.get_events(response_id, last - 1, owner=owner, limit=1)
         return bool(at) and at[0].get("sequence_number") == last and at[0].get("type") not in TERMINAL_EVENTS
 
-    async def _replay(self, response_id: str, owner: str | None, cursor: _Cursor) -> AsyncIterator[bytes]:
+    async def _replay(self, response_id: str, owner: str | None, cursor: _Cursor
+                      ) -> AsyncIterator[list[ClientEvent]]:
         while True:
             page = await self.store.get_events(response_id, cursor.last, owner=owner, limit=PAGE)
             for event in page:
@@ -552,7 +542,7 @@ class BackgroundRuns:
                     continue
                 cursor.last = seq
                 cursor.progressed = True
-                yield _frame(event)
+                yield [_row_event(event)]
                 if event.get("type") in TERMINAL_EVENTS:
                     cursor.ended = True
                     return
@@ -560,7 +550,7 @@ class BackgroundRuns:
                 return
 
 
-async def _aclose(frames: AsyncIterator[bytes]) -> None:
+async def _aclose(frames: AsyncIterator[list[ClientEvent]]) -> None:
     aclose = getattr(frames, "aclose", None)
     if aclose is not None:
         with contextlib.suppress(Exception):
