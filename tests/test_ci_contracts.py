@@ -49,11 +49,11 @@ def test_the_import_contract_holds_and_breaks_on_a_clock_in_translate(tmp_path: 
 
     tree = _copy(tmp_path, "gateway")
     _plant(tree / "gateway" / "translate" / "usage.py", "\n\nimport time  # noqa: E402\n")
-    _plant(tree / "gateway" / "store" / "base.py", "\n\nfrom gateway.server import record  # noqa: E402,F401\n")
+    _plant(tree / "gateway" / "store" / "base.py", "\n\nfrom gateway.engine import record  # noqa: E402,F401\n")
     broken = _run("lint-imports", tree, "--no-cache")
     assert broken.returncode == 1, broken.stdout + broken.stderr
     assert "gateway.translate.usage -> time" in broken.stdout  # the pure core
-    assert "gateway.store.base -> gateway.server.record" in broken.stdout  # the layers
+    assert "gateway.store.base -> gateway.engine.record" in broken.stdout  # the layers
 
 
 def test_the_type_check_is_strict_on_the_core_only(tmp_path: Path) -> None:

@@ -12,8 +12,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gateway.protocol.conversations import conversation_item
+from gateway.protocol.events import ClientEvent
 from gateway.protocol.ids import counter_ids
-from gateway.protocol.sse import SseParser
+from gateway.protocol.sse import SseParser, encode_events
 from gateway.translate.approvals import ApprovalSigner
 from gateway.translate.chat import ChatToResponsesEvents
 from gateway.translate.mcp_items import mcp_call_history
@@ -36,14 +37,14 @@ def run_chat(chunks: list[dict[str, Any]], request: dict[str, Any] = REQUEST, no
     ids = counter_ids()
     translator = FunctionSseTranslator(state, ids=ids)
     conv = ChatToResponsesEvents(model="tiny", ids=ids, clock=lambda: now)
-    out: list[bytes] = []
+    out: list[ClientEvent] = []
     for chunk in chunks:
-        for etype, data in conv.feed(chunk):
-            out += translator.feed(etype, data)
-    for etype, data in conv.done():
-        out += translator.feed(etype, data)
+        for ev in conv.feed(chunk):
+            out += translator.feed(ev)
+    for ev in conv.done():
+        out += translator.feed(ev)
     out += translator.finish()
-    return b"".join(out)
+    return encode_events(out)
 
 
 def chunk(delta: dict[str, Any], finish: str | None = None, usage: dict[str, Any] | None = None) -> dict[str, Any]:
