@@ -530,3 +530,37 @@ async def test_sqlite_upgrade_indexes_items_stored_before_the_item_table(tmp_pat
         assert got["msg_in_1"] == rec.input_items[0]
     finally:
         await store.close()
+
+
+
+def _open_store_at(path: str, barrier: Any, results: Any) -> None:
+    async def run() -> None:
+        store = SqliteResponseStore(path)
+        barrier.wait()
+        try:
+            await store.start()
+            results.put("ok")
+        except Exception as exc:  # reported to the test, which names it
+            results.put(repr(exc))
+        finally:
+            await store.close()
+
+    asyncio.run(run())
+
+
+def test_two_processes_opening_a_new_sqlite_database_at_once_both_start(tmp_path: Path) -> None:
+    # The workers of --workers N open a new database at the same moment: switching the journal mode to WAL needs
+    # an exclusive lock, and SQLite answers "database is locked" at once there instead of calling the busy
+    # handler (seen in about half of such starts before the retry).
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    for attempt in range(10):
+        path = str(tmp_path / f"fresh{attempt}.db")
+        barrier, results = ctx.Barrier(2), ctx.Queue()
+        procs = [ctx.Process(target=_open_store_at, args=(path, barrier, results)) for _ in range(2)]
+        for proc in procs:
+            proc.start()
+        for proc in procs:
+            proc.join(30)
+        assert sorted(results.get(timeout=5) for _ in procs) == ["ok", "ok"]

@@ -317,6 +317,21 @@ def _insert_items(db: sqlite3.Connection, conversation_id: str, start: int, item
     )
 
 
+def _enable_wal(db: sqlite3.Connection, timeout: float) -> None:
+    """``PRAGMA journal_mode = WAL``, retried while another process holds the file: switching the journal mode
+    needs an exclusive lock and SQLite answers "database is locked" at once there instead of calling the busy
+    handler (two workers of ``--workers N`` opening a new database at the same moment)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            db.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
+
+
 class SqliteResponseStore(ResponseStore):
     """A single-file store for one host. Several processes may share the file (WAL + busy_timeout)."""
 
@@ -355,7 +370,7 @@ class SqliteResponseStore(ResponseStore):
             db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
             try:
                 db.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout_ms)}")
-                db.execute("PRAGMA journal_mode = WAL")
+                _enable_wal(db, self._busy_timeout_ms / 1000)
                 # FULL (the default): a commit is on disk when it returns, as put() promises. NORMAL in WAL mode
                 # survives a killed process but may lose the last commits on a power cut (--sqlite-synchronous).
                 db.execute(f"PRAGMA synchronous = {self.synchronous.upper()}")
