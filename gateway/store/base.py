@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,6 +84,18 @@ class HistoryTooLargeError(StoreError):
         super().__init__(f"the history is larger than {max_bytes} bytes")
         self.max_bytes = max_bytes
         self.item_id = item_id
+
+
+def check_item_budget(ids: Sequence[str], sizes: Mapping[str, int], max_bytes: int | None) -> None:
+    """``get_items``' bound, from the stored sizes before anything is loaded: the referenced items in the order
+    given, the first one past ``max_bytes`` named (ids not stored count nothing)."""
+    if max_bytes is None:
+        return
+    total = 0
+    for item_id in ids:
+        total += sizes.get(item_id, 0)
+        if total > max_bytes:
+            raise HistoryTooLargeError(max_bytes, item_id)
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,6 +26,7 @@ from gateway.store.base import (
     StoredResponse,
     StoreError,
     chain_sizes,
+    check_item_budget,
     record_items,
 )
 
@@ -409,12 +410,7 @@ class PostgresResponseStore(ResponseStore):
             if rest:  # the latest conversation's copy wins
                 for row in await conn.fetch(self._conv_item_sizes_sql, rest, owner):
                     where[row["item_id"]] = (True, row["at"], row["size"])
-            if max_bytes is not None:
-                total = 0
-                for item_id in ids:
-                    total += where[item_id][2] if item_id in where else 0
-                    if total > max_bytes:
-                        raise HistoryTooLargeError(max_bytes, item_id)
+            check_item_budget(ids, {item_id: w[2] for item_id, w in where.items()}, max_bytes)
             found: dict[str, dict[str, Any]] = {}
             for in_conversation, sql in ((False, self._items_at_sql), (True, self._conv_items_at_sql)):
                 at = {w[1]: item_id for item_id, w in where.items() if w[0] is in_conversation}

@@ -32,6 +32,7 @@ from gateway.store.base import (
     StoredResponse,
     StoreError,
     chain_sizes,
+    check_item_budget,
     record_items,
 )
 
@@ -493,12 +494,7 @@ class SqliteResponseStore(ResponseStore):
                         f"JOIN conversations c ON c.id = ci.conversation_id WHERE ci.item_id IN ({marks}) "
                         "AND (? IS NULL OR c.owner = ?) ORDER BY c.updated_at, ci.position", (*rest, owner, owner)):
                     where[item_id] = ("conversation_items", rowid, size)
-            if max_bytes is not None:
-                total = 0
-                for item_id in ids:
-                    total += where[item_id][2] if item_id in where else 0
-                    if total > max_bytes:
-                        raise HistoryTooLargeError(max_bytes, item_id)
+            check_item_budget(ids, {item_id: w[2] for item_id, w in where.items()}, max_bytes)
             found: dict[str, dict[str, Any]] = {}
             for table in ("response_items", "conversation_items"):
                 rowids = {w[1]: item_id for item_id, w in where.items() if w[0] == table}
