@@ -65,32 +65,33 @@ class PacedUpstream:
         self.requests: list[tuple[str, dict[str, Any]]] = []
         self.lock = threading.Lock()
 
+    async def paced(self, path: str, frames: list[bytes]) -> StreamingResponse:
+        """``frames`` one at a time, PACE apart, each one's hand-over time recorded under ``path``."""
+        async def gen():  # type: ignore[no-untyped-def]
+            self.closed_early[path] = True
+            sent = self.sent_at[path] = []
+            for frame in frames:
+                yield frame
+                self.last_frame_at[path] = time.monotonic()
+                sent.append(self.last_frame_at[path])
+                await asyncio.sleep(PACE)
+            self.closed_early[path] = False
+
+        return StreamingResponse(gen(), media_type="text/event-stream")
+
     def app(self) -> Starlette:
-        async def paced(path: str, frames: list[bytes], request: Request) -> StreamingResponse:
-            async def gen():  # type: ignore[no-untyped-def]
-                self.closed_early[path] = True
-                sent = self.sent_at[path] = []
-                for frame in frames:
-                    yield frame
-                    self.last_frame_at[path] = time.monotonic()
-                    sent.append(self.last_frame_at[path])
-                    await asyncio.sleep(PACE)
-                self.closed_early[path] = False
-
-            return StreamingResponse(gen(), media_type="text/event-stream")
-
         async def responses(request: Request) -> Response:
             body = orjson.loads(await request.body())
             self.requests.append(("/v1/responses", body))
             if not body.get("stream"):
                 return Response(self.nonstream_body, media_type="application/json")
-            return await paced("/v1/responses", self.responses_frames, request)
+            return await self.paced("/v1/responses", self.responses_frames)
 
         async def chat(request: Request) -> Any:
             self.requests.append(("/v1/chat/completions", orjson.loads(await request.body())))
             if not self.chat:
                 return JSONResponse({"detail": "Not Found"}, status_code=404)
-            return await paced("/v1/chat/completions", self.chat_frames, request)
+            return await self.paced("/v1/chat/completions", self.chat_frames)
 
         return Starlette(routes=[Route("/v1/responses", responses, methods=["POST"]),
                                  Route("/v1/chat/completions", chat, methods=["POST"])])
@@ -280,25 +281,12 @@ class PacedChatUpstream(PacedUpstream):
                                                       pieces=20))
 
     def app(self) -> Starlette:
-        async def paced(path: str, frames: list[bytes]) -> StreamingResponse:
-            async def gen():  # type: ignore[no-untyped-def]
-                self.closed_early[path] = True
-                sent = self.sent_at[path] = []
-                for frame in frames:
-                    yield frame
-                    self.last_frame_at[path] = time.monotonic()
-                    sent.append(self.last_frame_at[path])
-                    await asyncio.sleep(PACE)
-                self.closed_early[path] = False
-
-            return StreamingResponse(gen(), media_type="text/event-stream")
-
         async def chat(request: Request) -> Any:
             body = orjson.loads(await request.body())
             self.requests.append(("/v1/chat/completions", body))
             if "structured_outputs" in body:
-                return await paced("step", self.chat_frames)
-            return await paced("answer", self.answer_frames)
+                return await self.paced("step", self.chat_frames)
+            return await self.paced("answer", self.answer_frames)
 
         return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"])])
 
