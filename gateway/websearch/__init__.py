@@ -1,0 +1,1 @@
+"""Web search run by the gateway (issue 21): providers (``providers.py``) behind one small interface (``base.py``)."""
