@@ -33,6 +33,7 @@ import structlog
 
 from gateway.config import Settings
 from gateway.enforce.constrain import ContentAsCall, args_request, pick_request
+from gateway.enforce.onerequest import GrammarRoutes
 from gateway.enforce.plan import Plan, Violation, violation_response
 from gateway.enforce.validate import check_arguments, check_call, check_input, check_pinned_output
 from gateway.errors import StreamFailure
@@ -247,6 +248,8 @@ class Guard:
     enforcer: Enforcer
     # Client ids of grammar calls already checked (taken over live, or repaired): checked once only.
     checked: set[str] = field(default_factory=set)
+    # How each grammar tool is enforced (gateway.enforce.onerequest); None: the takeover for all.
+    routes: GrammarRoutes | None = None
 
     async def _repair(self, info: ToolInfo, value: str) -> str | None:
         """None: keep the call as it is; a string: the regenerated input that replaces it."""
@@ -285,10 +288,13 @@ class Guard:
             return final
         if self.plan.regenerate:
             output = []
+            one_request = self.routes.one_request if self.routes is not None else frozenset()
             for item in final.get("output") or ():
                 if item.get("type") == "custom_tool_call":
                     info = self.ctx.find(str(item.get("name")), item.get("namespace"))
-                    if info is not None and info.grammar is not None:
+                    if info is not None and info.upstream_name in one_request:
+                        item = self._one_request_call(info, item)
+                    elif info is not None and info.grammar is not None:
                         new = await self._repair(info, str(item.get("input", "")))
                         self.checked.add(str(item.get("id")))
                         if new is not None:
@@ -297,6 +303,21 @@ class Guard:
             final = {**final, "output": output}
         message = self._verdict(final)
         return final if message is None else violation_response(final, message)
+
+    def _one_request_call(self, info: ToolInfo, item: dict[str, Any]) -> dict[str, Any]:
+        """A call the upstream request constrained: checked once; one that does not match (cut at the token limit)
+        is ``incomplete``, never regenerated (that would be the second request this route exists to avoid)."""
+        self.checked.add(str(item.get("id")))
+        verdict = check_input(info, str(item.get("input", "")))
+        if verdict.unchecked:
+            self.enforcer.note("check", "unchecked", tool=info.upstream_name, reason=verdict.unchecked)
+            return item
+        if verdict.ok:
+            self.enforcer.note("check", "constrained", tool=info.upstream_name)
+            return item
+        self.enforcer.note("check", "violated", tool=info.upstream_name,
+                           reason=f"the call ended before its input matched the grammar ({verdict.reason})")
+        return {**item, "status": "incomplete"}
 
     def _verdict(self, final: dict[str, Any]) -> str | None:
         """The violation message for a pinned request, or None. Grammar calls under auto are counted only."""

@@ -59,8 +59,9 @@ class GrammarTakeover:
     """Wraps an upstream event-batch iterator; see the module docstring."""
 
     def __init__(self, ctx: ResolvedToolContext, enforcer: Enforcer, so_far: SoFar,
-                 open_step: OpenStep | None = None) -> None:
+                 open_step: OpenStep | None = None, names: frozenset[str] | None = None) -> None:
         self.ctx = ctx
+        self.names = names  # the grammar tools left to the takeover (None: all; the others are one-request)
         self.enforcer = enforcer
         self.so_far = so_far
         self.open_step: OpenStep = open_step or enforcer.open_input_stream
@@ -80,7 +81,8 @@ class GrammarTakeover:
         if not isinstance(item, dict) or item.get("type") != "function_call" or not item.get("name"):
             return None
         info = self.ctx.lookup(item["name"])
-        if info is None or info.kind != "custom" or info.grammar is None:
+        if info is None or info.kind != "custom" or info.grammar is None or (
+                self.names is not None and info.upstream_name not in self.names):
             return None
         if not isinstance(d.get("output_index"), int):
             return None
