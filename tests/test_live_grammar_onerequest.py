@@ -7,8 +7,9 @@ per response (one) and keeps what was sent and answered. Every completed grammar
 grammar and have streamed in several deltas; a call cut at ``max_output_tokens`` must end ``incomplete``.
 
 The random-weight model emits ``<tool_call>`` by itself for some seeds only; under the gateway's tag (hermes) a run
-must see at least one completed grammar call. With ``GATEWAY_RECORD_CASSETTES=1`` the responses that made one are written to
-cassettes/vllm/onerequest_<api>_<parser>.yaml, replayed by tests/test_grammar_onerequest_cassettes.py.
+must see at least one completed grammar call. With ``GATEWAY_RECORD_CASSETTES=1`` up to two responses that made one
+(else the first response) are written to cassettes/vllm/onerequest_<api>_<parser>.yaml, replayed by
+tests/test_grammar_onerequest_cassettes.py.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ pytestmark = pytest.mark.live_vllm
 LIVE = os.environ.get("GATEWAY_LIVE_VLLM_URL", "http://127.0.0.1:8011")
 RECORD = os.environ.get("GATEWAY_RECORD_CASSETTES") == "1"
 CASSETTES = Path(__file__).resolve().parents[1] / "cassettes" / "vllm"
-SEEDS = range(1, int(os.environ.get("GATEWAY_LIVE_SEEDS", "24")) + 1)
-MAX_TOKENS = 160
+SEEDS = range(1, int(os.environ.get("GATEWAY_LIVE_SEEDS", "30")) + 1)
+MAX_TOKENS = int(os.environ.get("GATEWAY_LIVE_MAX_TOKENS", "400"))
 
 LARK_PATCH = r"""start: begin_patch hunk+ end_patch
 begin_patch: "*** Begin Patch" LF
@@ -50,12 +51,15 @@ PATCH = {"type": "custom", "name": "apply_patch", "description": "Apply a patch 
 WEATHER = {"type": "function", "name": "get_weather", "description": "Get the weather for a city.",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
                           "additionalProperties": False}}
+# Only the grammar tool: the random-weight model spends its tokens wandering in the JSON whitespace a function's
+# schema allows when it opens a get_weather call instead (tests/test_grammar_onerequest.py covers mixed tools).
+TOOLS = [PATCH] if os.environ.get("GATEWAY_LIVE_WITH_FUNCTION") != "1" else [PATCH, WEATHER]
 PARSER = lark.Lark(LARK_PATCH, start="start", parser="earley")
 
 
 def client_request(seed: int) -> dict[str, Any]:
     return {"model": "tiny", "input": "Add a file hello.txt saying hi, using the apply_patch tool.",
-            "tools": [PATCH, WEATHER], "tool_choice": "auto", "stream": True, "seed": seed,
+            "tools": TOOLS, "tool_choice": "auto", "stream": True, "seed": seed,
             "max_output_tokens": MAX_TOKENS, "store": False}
 
 
@@ -114,6 +118,7 @@ def test_grammar_calls_cost_one_request_and_parse(api: str, parser: str, live_ve
     recorder = Recorder()
     calls = cut = 0
     kept: list[tuple[dict[str, Any], list[dict[str, Any]]]] = []
+    first: tuple[dict[str, Any], list[dict[str, Any]]] | None = None  # recorded when no seed made a call
     with running_gateway(upstream_url=LIVE, transport=recorder, tool_choice_enforcement="constrain",
                          upstream_api=api, tool_call_parser=parser) as url, httpx.Client(timeout=300) as http:
         for seed in SEEDS:
@@ -148,12 +153,15 @@ def test_grammar_calls_cost_one_request_and_parse(api: str, parser: str, live_ve
                     assert item["status"] == "incomplete" and final["status"] == "incomplete"
             if made and len(kept) < 2:
                 kept.append((request, mine))
+            elif not made and first is None:
+                first = (request, mine)
     print(f"\n{api}/{parser}: {len(SEEDS)} responses, {calls} completed grammar calls, {cut} cut at the token limit")
     if parser == "hermes":
         # The gateway's tag has exact begin strings: the random-weight model's calls come out grammar-valid. Under
         # vLLM's own strict-tool tag (auto) it wanders in the JSON whitespace that tag allows until the token limit,
         # so few or none of its calls are ever named (the issue's probe); what ran is still one request each.
         assert calls > 0, "no seed made a grammar call"
+    kept = kept or ([first] if first is not None else [])
     if RECORD and kept:
         version_exchange = next(e for e in recorder.exchanges if e["uri"].endswith("/version"))
         kept[0] = (kept[0][0], [version_exchange, *[e for e in kept[0][1] if e is not version_exchange]])
