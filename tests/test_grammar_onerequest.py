@@ -14,16 +14,21 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import httpx
+import lark
 import orjson
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
 from gateway.config import Settings
 from gateway.enforce.onerequest import GrammarRoutes, grammar_routes
+from gateway.engine.grammar_routes import mark_cut_calls
+from gateway.protocol.events import UpstreamEvent
 from gateway.translate import grammar_convert
 from gateway.translate.grammar_convert import GrammarConversionError
 from gateway.translate.tool_context import ResolvedToolContext, ToolInfo, resolve_tool_context
@@ -432,3 +437,45 @@ def test_300_sequential_grammar_tool_responses_reuse_a_handful_of_connections() 
     assert len(upstream.sent) == 300  # one generation request per response
     assert all("pattern" in json.dumps(b["tools"]) for b in upstream.sent)
     assert upstream.accepted <= 8, f"{upstream.accepted} upstream connections for 300 sequential responses"
+
+
+# ---------------------------------------------------------------- the end-of-call check (Hypothesis)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.sampled_from(["+hello\n", " ctx\n", "-gone\n", "+\n"]), max_size=5), st.data())
+def test_a_call_is_closed_incomplete_exactly_when_its_input_fails_the_grammar(lines: list[str],
+                                                                              data: st.DataObject) -> None:
+    """Whatever the cut point of a (valid) patch, the call's done item is left as it is when the input so far
+    parses under the grammar and turned ``incomplete`` when it does not; every call is checked once."""
+    full = "*** Begin Patch\n" + "".join(lines) + "*** End Patch"
+    cut = data.draw(st.integers(0, len(full)))
+    value = full[:cut]
+    ctx = resolve_tool_context({"tools": [PATCH, WEATHER]})
+    item = {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "apply_patch",
+            "arguments": json.dumps({"input": value}), "status": "completed"}
+    done = UpstreamEvent("response.output_item.done", json.dumps({"type": "response.output_item.done",
+                                                                  "item": item, "output_index": 0}))
+    other = UpstreamEvent("response.output_item.done", json.dumps({
+        "type": "response.output_item.done", "output_index": 1,
+        "item": {**item, "id": "fc_2", "name": "get_weather", "arguments": "{}"}}))
+    notes: list[str] = []
+    checked: set[str] = set()
+
+    async def batches() -> AsyncIterator[list[UpstreamEvent]]:
+        yield [done, other]
+
+    async def run() -> list[list[UpstreamEvent]]:
+        return [b async for b in mark_cut_calls(batches(), ctx, frozenset({"apply_patch"}), checked,
+                                                lambda step, outcome, **kw: notes.append(outcome))]
+
+    [[first, second]] = asyncio.run(run())
+    valid = lark.Lark(GRAMMAR, parser="earley")
+    try:
+        valid.parse(value)
+        ok = True
+    except lark.exceptions.LarkError:
+        ok = False
+    assert first.json()["item"]["status"] == ("completed" if ok else "incomplete")
+    assert second is other  # another tool's call passes untouched
+    assert notes == ["constrained" if ok else "violated"] and checked == {"ctc_1"}
