@@ -479,3 +479,32 @@ def test_a_call_is_closed_incomplete_exactly_when_its_input_fails_the_grammar(li
     assert first.json()["item"]["status"] == ("completed" if ok else "incomplete")
     assert second is other  # another tool's call passes untouched
     assert notes == ["constrained" if ok else "violated"] and checked == {"ctc_1"}
+
+
+@pytest.mark.usefixtures("stub_conversion")
+@pytest.mark.parametrize("stream", [True, False])
+def test_an_upstream_refusing_the_constraint_gets_the_request_without_it(stream: bool) -> None:
+    """A 400 to the changed body (a pattern or schema the structured-output backend does not take): sent again as
+    before issue 18, and the takeover enforces the call; a client's own bad request still gets its 400."""
+    fake = FakeVllm(chat_status=404)
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = orjson.loads(request.content) if request.content else {}
+        if request.url.path == "/v1/responses" and "pattern" in json.dumps(body.get("tools")):
+            fake.requests.append((request.method, request.url.path, body))
+            return httpx.Response(400, json={"error": {"message": "bad pattern", "type": "BadRequestError",
+                                                       "param": None, "code": 400}})
+        return fake(request)
+
+    with capture_logs() as logs, running_gateway(transport=httpx.MockTransport(handler),
+                                                 tool_choice_enforcement="constrain") as url:
+        r = post(url, stream=stream)
+        metrics = scrape(httpx.get(url + "/metrics").text)
+    assert r.status_code == 200, r.text
+    final = check_stream(sse_events(r.content), request())["response"] if stream else r.json()
+    assert final["status"] == "completed"
+    sent = [p for p in fake.generation_requests if p[1] == "/v1/responses"]
+    assert len(sent) == 2 and "pattern" not in json.dumps(sent[1][2]["tools"])
+    assert value(metrics, "responses_gateway_grammar_enforcement_total", route="takeover") == 1
+    assert value(metrics, "responses_gateway_grammar_enforcement_total", route="strict_pattern") == 0
+    assert [e["status"] for e in logs if e["event"] == "grammar_constraint_refused"] == [400]

@@ -207,6 +207,9 @@ class ResponsesHandler:
         routes = guard.routes if guard is not None else None
         if record.stream:
             opened = await self._open_round(body, state.ctx, history, headers, extra, record, routes)
+            if isinstance(opened, Answered) and guard is not None and _refused(routes, opened.status):
+                routes = _back_to_takeover(guard, record, opened.status)
+                opened = await self._open_round(body, state.ctx, history, headers, extra, record, routes)
             if isinstance(opened, Answered):
                 return opened
             return self._stream(opened, state, record, persist, guard)
@@ -218,6 +221,11 @@ class ResponsesHandler:
         if routes is not None:
             routes.apply(upstream_body)
         status, payload = await self.upstream.post_json(path, upstream_body, headers)
+        if guard is not None and _refused(routes, status):
+            _back_to_takeover(guard, record, status)
+            upstream_body = build_chat_request(body, state.ctx, history) if chat else \
+                build_upstream_request(body, state.ctx, history)
+            status, payload = await self.upstream.post_json(path, upstream_body, headers)
         if status >= 400:
             record.upstream_error = f"http_{status}"
             return Answered(payload, status)
@@ -546,6 +554,23 @@ def failed(translator: FunctionSseTranslator, record: RequestRecord, exc: Gatewa
     if isinstance(exc, StreamFailure) and exc.upstream_error is not None:
         record.upstream_error = exc.upstream_error
     return translator.fail(exc.code or "upstream_error", exc.message)
+
+
+def _refused(routes: GrammarRoutes | None, status: int) -> bool:
+    """The upstream answered 400 to a body the one-request routes changed (a schema or pattern its structured-output
+    backend does not take): the request is sent again as it would have been without them."""
+    return routes is not None and routes.changes_body and status == 400
+
+
+def _back_to_takeover(guard: Guard, record: RequestRecord, status: int) -> GrammarRoutes:
+    log.warning("grammar_constraint_refused", request_id=record.request_id, status=status, routes=record.grammar_routes,
+                message="The upstream refused the request with the grammar tools' constraint; sent again without it "
+                        "(the takeover enforces those calls).")
+    record.upstream_error = None
+    routes = guard.routes = GrammarRoutes(routes={name: "takeover" for name in (guard.routes.routes if guard.routes
+                                                                                else {})})
+    record.grammar_routes = list(routes.used)
+    return routes
 
 
 def _so_far(translator: FunctionSseTranslator) -> tuple[dict[str, Any] | None, str]:
