@@ -252,3 +252,37 @@ def test_escaped_grammar_takes_only_canonical_escapes() -> None:
     ebnf = to_ebnf("regex", r"[A/]\n", json_escaped=True)
     jobs = [{"ebnf": ebnf, "strings": ["A\\n", "/\\n", "\\u0041\\n", "\\/\\n", "A\n", "A\\u000a"]}]
     assert _oracle(jobs) == [[True, True, False, False, False, False]]
+
+
+def test_doubling_grammar_is_refused_not_rendered() -> None:
+    """Each rule uses the previous one twice: inlined, 2**40 copies. Refused by size, quickly."""
+    rules = ['r0: "ab"'] + [f"r{i}: r{i - 1} r{i - 1}" for i in range(1, 41)]
+    definition = "start: r40\n" + "\n".join(rules) + "\n"
+    with pytest.raises(GrammarConversionError, match="too large"):
+        to_regex("lark", definition)
+    assert "root ::=" in to_ebnf("lark", definition, json_escaped=False)
+
+
+def test_case_insensitive_literal_is_cheap_and_exact() -> None:
+    """(?i) on a long literal: folded per distinct character (cached), exact for the Kelvin sign and long s."""
+    pattern = to_regex("regex", "(?i)" + "ks" * 2000)
+    assert re.fullmatch(pattern, "K\u017f" * 2000)
+    assert re.fullmatch(pattern, "kS" * 2000)
+    assert not re.fullmatch(pattern, "kx" * 2000)
+
+
+def test_earley_greedy_gap_is_what_the_docstring_says() -> None:
+    """The documented gap: Lark's dynamic lexer matches /\\w+/ greedily and so rejects "cats" here; the
+    conversion (the grammar's context-free language) accepts it. Kept visible so a change either way is seen."""
+    definition = 'start: WORD "s"\nWORD: /[a-z]+/\n'
+    assert re.fullmatch(to_regex("lark", definition), "cats")
+    assert not _judge("lark", definition)("cats")
+
+
+def test_no_case_mappings_above_the_scanned_range() -> None:
+    """(?i) folding scans code points below CASED_LIMIT only; true on this Python's Unicode tables."""
+    from gateway.translate.grammar_convert import CASED_LIMIT
+
+    above = [c for c in map(chr, range(CASED_LIMIT, 0x110000)) if c.lower() != c or c.upper() != c
+             or c.casefold() != c]
+    assert above == []

@@ -35,6 +35,7 @@ change Earley's language, so they are read and dropped.
 
 from __future__ import annotations
 
+import array
 import functools
 import re
 from collections.abc import Callable, Iterable, Sequence
@@ -127,7 +128,38 @@ def _alt(items: Iterable[Node]) -> Node:
                 out.append(sub)
     if not out:
         raise GrammarConversionError("an alternative with no branches")
-    return out[0] if len(out) == 1 else Alt(tuple(out))
+    if len(out) == 1:
+        return out[0]
+    if EMPTY in out:  # a | "" -> a?
+        return _repeat(_alt(b for b in out if b != EMPTY), 0, 1)
+    factored = _factor(out, 0)
+    if len(factored) == len(out):
+        factored = _factor(out, -1)
+    if len(factored) < len(out):
+        return _alt(factored)
+    return Alt(tuple(out))
+
+
+def _items(node: Node) -> tuple[Node, ...]:
+    return node.items if isinstance(node, Seq) else (node,)
+
+
+def _factor(branches: list[Node], edge: int) -> list[Node]:
+    """Branches sharing their first (edge 0) or last (edge -1) item merged: ``a b | a c`` -> ``a (b | c)``.
+    The language is the same (concatenation distributes over alternation); Lark's expansion of ``[x]`` and
+    ``x?`` into every combination otherwise repeats long prefixes in the regex."""
+    groups: dict[Node, list[Node]] = {}
+    for branch in branches:
+        groups.setdefault(_items(branch)[edge], []).append(branch)
+    out: list[Node] = []
+    for key, members in groups.items():
+        if len(members) == 1:
+            out.append(members[0])
+            continue
+        rests = [_seq(_items(m)[1:] if edge == 0 else _items(m)[:-1]) for m in members]
+        rest = _alt(rests)
+        out.append(_seq([key, rest] if edge == 0 else [rest, key]))
+    return out
 
 
 # --- character sets -------------------------------------------------------------------------------------
@@ -163,24 +195,29 @@ def _intersect(a: Ranges, b: Ranges) -> Ranges:
     return _complement(_normalize(_complement(a) + _complement(b)))
 
 
-@functools.cache
 def _all_chars() -> str:
-    return "".join(map(chr, range(_MAX_CODE + 1)))
+    """Every code point (surrogates included, as ``re`` sees them), built per use and not kept (4 MB): only the
+    small results of the scans are cached. ~0.1 s."""
+    return array.array("I", range(_MAX_CODE + 1)).tobytes().decode("utf-32-le", "surrogatepass")
 
 
 @functools.cache
 def _scan(pattern: str, flags: int) -> Ranges:
     """The code points a one-character pattern matches, found by ``re`` itself (exact, Unicode tables
-    included). A few tens of milliseconds, once per pattern per process."""
+    included). ~0.2 s, once per pattern per process."""
     runs = re.finditer(f"(?:{pattern})+", _all_chars(), flags)
     return tuple((m.start(), m.end() - 1) for m in runs)
+
+
+# No code point at or above this has a case mapping (tests/test_grammar_convert.py checks it on this Python).
+CASED_LIMIT = 0x20000
 
 
 @functools.cache
 def _cased() -> str:
     """Characters that IGNORECASE can relate to another character: only these need checking under (?i)."""
     chars = set()
-    for c in _all_chars():
+    for c in map(chr, range(CASED_LIMIT)):
         low, up = c.lower(), c.upper()
         if low != c or up != c or c.casefold() != c:
             chars.add(c)
@@ -192,6 +229,7 @@ def _class_regex(ranges: Ranges) -> str:
     return "[" + "".join(_esc_class(lo) + ("" if lo == hi else "-" + _esc_class(hi)) for lo, hi in ranges) + "]"
 
 
+@functools.lru_cache(maxsize=1024)
 def _fold(ranges: Ranges, flags: int) -> Ranges:
     """The set under IGNORECASE: the set itself plus the cased characters ``re`` matches against it."""
     if not ranges:
@@ -423,7 +461,9 @@ def _lark_grammar(definition: str) -> _Grammar:
                 parts.append(Ref(rule_name(sym.name, False)))
         bodies.setdefault(rule_name(rule.origin.name, False), []).append(_seq(parts))
     for name, alts in bodies.items():
-        rules[name] = _alt(alts)
+        # as Lark wrote them (not factored): _linear reads the recursion of `+`/`*` from the branches' edges
+        unique = tuple(dict.fromkeys(alts))
+        rules[name] = unique[0] if len(unique) == 1 else Alt(unique)
     starts = parser.options.start
     start = starts[0] if isinstance(starts, list) else starts
     start_name = rule_name(start, False)
@@ -520,7 +560,13 @@ def _quantifier(lo: int, hi: int | None) -> str:
 
 @functools.lru_cache(maxsize=_CACHE_SIZE)
 def _to_ebnf(syntax: str, definition: str, json_escaped: bool) -> str:
-    grammar = _grammar(syntax, definition)
+    try:
+        return _render_ebnf(_grammar(syntax, definition), json_escaped)
+    except RecursionError as exc:
+        raise GrammarConversionError("the grammar nests too deeply") from exc
+
+
+def _render_ebnf(grammar: _Grammar, json_escaped: bool) -> str:
     lines = []
     for name in _reachable(grammar):
         body = grammar.rules[name]
@@ -551,6 +597,8 @@ def _inline(grammar: _Grammar) -> Node:
             raise GrammarConversionError(f"the grammar is recursive (through {name}), not a regular expression")
         body = grammar.rules[name]
         result = _linear(name, body, (*active, name), expand)
+        if _size(result, {}) > _MAX_REGEX_SIZE:  # checked per rule, before a parent copies it again
+            raise GrammarConversionError("the grammar's regular expression would be too large")
         done[name] = result
         return result
 
@@ -587,6 +635,8 @@ def _linear(name: str, body: Node, active: tuple[str, ...], expand: Callable[[st
         return node
 
     core = _alt(sub(b) for b in base)
+    if _alt(left or right or [EMPTY]) == _alt(base):  # R: X | R X -> X+ (Lark's `+`)
+        return _repeat(core, 1, None)
     if left:
         return _seq([core, _repeat(_alt(sub(x) for x in left), 0, None)])
     if right:
@@ -616,6 +666,30 @@ def _esc_class(code: int) -> str:
     if c in "\\]^-[":
         return "\\" + c
     return c if c in _REGEX_SPECIAL else _esc_char(code)
+
+
+# Inlining Lark rules copies a rule once per use: a grammar built to double at every level must not become a
+# gigabyte string (the tree itself is shared, so measuring it is cheap).
+_MAX_REGEX_SIZE = 100_000
+
+
+def _size(node: Node, memo: dict[int, int]) -> int:
+    """Roughly the rendered length of ``node`` (one per character set, literal character or operator)."""
+    key = id(node)
+    if key in memo:
+        return memo[key]
+    if isinstance(node, Lit):
+        size = len(node.text) + 1
+    elif isinstance(node, Chars):
+        size = 2 * len(node.ranges) + 2
+    elif isinstance(node, (Seq, Alt)):
+        size = sum(_size(i, memo) for i in node.items) + len(node.items)
+    elif isinstance(node, Repeat):
+        size = _size(node.item, memo) + 4
+    else:
+        size = 1
+    memo[key] = min(size, _MAX_REGEX_SIZE + 1)
+    return memo[key]
 
 
 def _regex(node: Node) -> str:
@@ -652,6 +726,11 @@ def to_regex(syntax: str, definition: str) -> str:
     """A regular expression (JSON-schema ``pattern`` dialect, anchored by the caller's use as a full match) that
     accepts exactly the raw strings the grammar accepts; GrammarConversionError when the grammar is not regular.
     Cached (bounded LRU)."""
-    tree = _inline(_grammar(syntax, definition))
+    try:
+        tree = _inline(_grammar(syntax, definition))
+        if _size(tree, {}) > _MAX_REGEX_SIZE:
+            raise GrammarConversionError("the grammar's regular expression would be too large")
+    except RecursionError as exc:
+        raise GrammarConversionError("the grammar nests too deeply") from exc
     # a top-level alternation is grouped, so a caller adding ^...$ anchors all of it
     return _regex_atom(tree) if isinstance(tree, Alt) else _regex(tree)
