@@ -1,5 +1,9 @@
 """Grammar custom calls under ``tool_choice: auto`` with ``constrain``: live, and matching their grammar.
 
+This is the fallback route (issue 18): on vLLM >= 0.32 a grammar tool whose grammar converts is constrained by the
+upstream request itself (gateway.enforce.onerequest: one request, no second step); the takeover below is for
+upstreams that cannot (an older or unknown server) and grammars that do not convert (``names``: those tools only).
+
 The model decides *whether* to call a grammar tool (``auto``), but vLLM cannot constrain a function's
 string argument to a Lark or regex grammar. Holding the call until its end to check it (the old design)
 turned Codex's live patch preview into one lump and needed an unbounded buffer. Instead, the gateway
