@@ -461,6 +461,8 @@ class ResponsesHandler:
                 else:
                     out += translator.finish()
             except StreamFailure as exc:  # the drain, a broken or idle upstream, a takeover step's HTTP error
+                if exc.upstream_error == "stream_broken":
+                    self.upstream.generation += 1  # it may come back as another server (gateway.engine.grammar_routes)
                 out += failed(translator, record, exc)
             final = translator.final_response
             if guard is not None:
