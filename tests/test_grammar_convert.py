@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from hypothesis.extra.lark import from_lark
 
 from gateway.enforce.validate import check_input
-from gateway.translate.grammar_convert import GrammarConversionError, to_ebnf, to_regex
+from gateway.translate.grammar_convert import GrammarConversionError, to_ebnf, to_json_pattern, to_regex
 from gateway.translate.lark_rewrite import rewrite_zero_width
 from gateway.translate.tool_context import ToolInfo
 from tests.test_lark_lalr import BOUNDED_PATCH, CODEX_APPLY_PATCH
@@ -109,10 +109,10 @@ def _strings(syntax: str, definition: str) -> st.SearchStrategy[str]:
     return st.one_of(positives, _mutated(positives), st.text(alphabet=_ALPHABET, max_size=30))
 
 
-_SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+_SETTINGS = settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 
 
-def _collect(syntax: str, definition: str, n: int = 150) -> list[str]:
+def _collect(syntax: str, definition: str, n: int = 120) -> list[str]:
     """Hypothesis-drawn strings (positives, mutations, noise) for one batched oracle call."""
     found: list[str] = []
 
@@ -138,14 +138,20 @@ def _definition(syntax: str, name: str) -> str:
 def test_regex_route_accepts_what_the_gateway_accepts(syntax: str, name: str) -> None:
     definition = _definition(syntax, name)
     rx = re.compile(to_regex(syntax, definition))
+    escaped = re.compile(to_json_pattern(syntax, definition))
     judge = _judge(syntax, definition)
+    seen: set[bool] = set()
 
     @_SETTINGS
     @given(_strings(syntax, definition))
     def check(text: str) -> None:
-        assert (rx.fullmatch(text) is not None) == judge(text), text
+        verdict = judge(text)
+        seen.add(verdict)
+        assert (rx.fullmatch(text) is not None) == verdict, text
+        assert (escaped.fullmatch(json.dumps(text, ensure_ascii=False)[1:-1]) is not None) == verdict, text
 
     check()
+    assert seen == {True, False}  # both kinds of string were drawn
 
 
 def test_codex_regex_is_portable() -> None:
@@ -227,17 +233,23 @@ def xgrammar_verdicts() -> dict[tuple[str, str, str], tuple[list[str], list[bool
         if syntax == "regex" or name in REGULAR:
             plan.append(((syntax, name, "regex"), {"regex": to_regex(syntax, definition), "strings": strings},
                          strings, expected))
+            # the strict-tool route: the pattern inside a JSON schema, judged on whole JSON arguments
+            schema = {"type": "object", "properties": {"input": {
+                "type": "string", "pattern": to_json_pattern(syntax, definition)}}, "required": ["input"]}
+            documents = [json.dumps({"input": s}, ensure_ascii=False) for s in strings]
+            plan.append(((syntax, name, "json_pattern"), {"json_schema": schema, "strings": documents},
+                         strings, expected))
     results = _oracle([job for _, job, _, _ in plan])
     return {key: (strings, expected, got) for (key, _, strings, expected), got in zip(plan, results, strict=True)}
 
 
-@pytest.mark.parametrize("form", ["raw", "escaped", "regex"])
+@pytest.mark.parametrize("form", ["raw", "escaped", "regex", "json_pattern"])
 @pytest.mark.parametrize(("syntax", "name"), ALL_TOOLS)
 def test_xgrammar_accepts_what_the_gateway_accepts(
         xgrammar_verdicts: dict[tuple[str, str, str], tuple[list[str], list[bool], list[bool]]],
         syntax: str, name: str, form: str) -> None:
     if (syntax, name, form) not in xgrammar_verdicts:
-        assert form == "regex" and name not in REGULAR
+        assert form in ("regex", "json_pattern") and name not in REGULAR
         return
     strings, expected, got = xgrammar_verdicts[(syntax, name, form)]
     assert isinstance(got, list), f"xgrammar refused the converted grammar: {got}"
@@ -286,3 +298,15 @@ def test_no_case_mappings_above_the_scanned_range() -> None:
     above = [c for c in map(chr, range(CASED_LIMIT, 0x110000)) if c.lower() != c or c.upper() != c
              or c.casefold() != c]
     assert above == []
+
+
+def test_xgrammar_json_schema_pattern_is_not_escaped() -> None:
+    """Why to_json_pattern exists: xgrammar puts a pattern's characters into the JSON string as they are, so
+    the raw regex of a grammar with newlines admits only invalid JSON (a raw newline) and refuses `\\n`."""
+    raw = {"type": "object", "properties": {"input": {"type": "string", "pattern": to_regex("regex", "a\nb")}},
+           "required": ["input"]}
+    escaped = {"type": "object", "properties": {"input": {
+        "type": "string", "pattern": to_json_pattern("regex", "a\nb")}}, "required": ["input"]}
+    good, bad = json.dumps({"input": "a\nb"}), '{"input": "a\nb"}'
+    assert _oracle([{"json_schema": raw, "strings": [good, bad]},
+                    {"json_schema": escaped, "strings": [good, bad]}]) == [[False, True], [True, False]]

@@ -1,7 +1,7 @@
 """Accept/reject oracle over xgrammar, run in the tiny vLLM's environment (which has xgrammar and torch; the
 gateway's own environment never imports them). Reads JSON on stdin:
 
-    {"jobs": [{"ebnf": "<grammar>"} | {"regex": "<pattern>"}, "strings": ["...", ...]}, ...]}
+    {"jobs": [{"ebnf": "<grammar>"} | {"regex": "<pattern>"} | {"json_schema": {...}}, "strings": [...]}, ...]}
 
 and writes {"results": [[true, false, ...], ...]} (one list per job) or {"error": "..."} for a grammar that
 xgrammar refuses. A string is accepted when the matcher takes all of it and can terminate there.
@@ -21,7 +21,12 @@ def main() -> None:
     results = []
     for job in request["jobs"]:
         try:
-            grammar = xgr.Grammar.from_ebnf(job["ebnf"]) if "ebnf" in job else xgr.Grammar.from_regex(job["regex"])
+            if "ebnf" in job:
+                grammar = xgr.Grammar.from_ebnf(job["ebnf"])
+            elif "regex" in job:
+                grammar = xgr.Grammar.from_regex(job["regex"])
+            else:  # as vLLM's strict-tool structural tag builds it: no whitespace freedom
+                grammar = xgr.Grammar.from_json_schema(json.dumps(job["json_schema"]), any_whitespace=False)
             compiled = compiler.compile_grammar(grammar)
         except Exception as exc:  # the grammar itself is the finding
             results.append({"error": f"{type(exc).__name__}: {exc}"[:2000]})

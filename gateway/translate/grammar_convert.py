@@ -49,7 +49,7 @@ from gateway.translate.lark_rewrite import foreign_import, rewrite_zero_width
 if TYPE_CHECKING:
     import lark
 
-__all__ = ["GrammarConversionError", "to_ebnf", "to_regex"]
+__all__ = ["GrammarConversionError", "to_ebnf", "to_json_pattern", "to_regex"]
 
 _CACHE_SIZE = 64
 _MAX_CODE = 0x10FFFF
@@ -722,15 +722,38 @@ def _regex_atom(node: Node) -> str:
 
 
 @functools.lru_cache(maxsize=_CACHE_SIZE)
-def to_regex(syntax: str, definition: str) -> str:
-    """A regular expression (JSON-schema ``pattern`` dialect, anchored by the caller's use as a full match) that
-    accepts exactly the raw strings the grammar accepts; GrammarConversionError when the grammar is not regular.
-    Cached (bounded LRU)."""
+def _regular_tree(syntax: str, definition: str) -> Node:
     try:
         tree = _inline(_grammar(syntax, definition))
         if _size(tree, {}) > _MAX_REGEX_SIZE:
             raise GrammarConversionError("the grammar's regular expression would be too large")
     except RecursionError as exc:
         raise GrammarConversionError("the grammar nests too deeply") from exc
+    return tree
+
+
+def _render_regex(tree: Node) -> str:
     # a top-level alternation is grouped, so a caller adding ^...$ anchors all of it
     return _regex_atom(tree) if isinstance(tree, Alt) else _regex(tree)
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def to_regex(syntax: str, definition: str) -> str:
+    """A regular expression (JSON-schema ``pattern`` dialect, anchored by the caller's use as a full match) that
+    accepts exactly the raw strings the grammar accepts; GrammarConversionError when the grammar is not regular.
+    Cached (bounded LRU).
+
+    Not for xgrammar's JSON-schema ``pattern`` as it stands: xgrammar (0.2.8, in vLLM 0.32) writes a pattern's
+    characters into the JSON string unescaped (a ``\\n`` in the pattern becomes a raw newline inside the
+    string, a ``"`` ends it early); use ``to_json_pattern`` there."""
+    return _render_regex(_regular_tree(syntax, definition))
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def to_json_pattern(syntax: str, definition: str) -> str:
+    """The ``pattern`` for a JSON-schema string property (the custom tool's ``input``) as xgrammar applies it:
+    to the text between the quotes, so it accepts exactly the JSON-escaped spellings
+    (``json.dumps(s, ensure_ascii=False)[1:-1]``) of the raw strings the grammar accepts. Checked against
+    ``xgrammar.Grammar.from_json_schema`` in tests/test_grammar_convert.py. GrammarConversionError when the
+    grammar is not regular. Cached (bounded LRU)."""
+    return _render_regex(json_escaped_tree(_regular_tree(syntax, definition)))
