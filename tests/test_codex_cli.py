@@ -34,7 +34,7 @@ from starlette.routing import Route
 from structlog.testing import capture_logs
 
 from gateway.config import Settings
-from gateway.translate.grammar_convert import to_regex
+from gateway.translate.grammar_convert import to_json_pattern
 from tests.support import npm_packages, running_gateway, serve_in_thread
 from tests.vllm_frames import VllmStream, _dumps, args_deltas
 
@@ -230,7 +230,7 @@ def test_codex_exec_applies_a_patch_over_the_websocket(codex: str, tmp_path: Pat
     assert "Lark grammar" in tool["description"], tool
     grammar = tool["description"][tool["description"].index("start: begin_patch"):]  # Codex's own grammar
     assert tool["strict"] is True and "structured_outputs" not in first
-    assert tool["parameters"]["properties"]["input"]["pattern"] == to_regex("lark", grammar), tool
+    assert tool["parameters"]["properties"]["input"]["pattern"] == to_json_pattern("lark", grammar), tool
     # Codex (0.171) warms up with generate: false, then chains each turn with previous_response_id and store:
     # false, sending only the new items: the gateway's per-connection cache rebuilt the whole conversation
     history = second["input"]

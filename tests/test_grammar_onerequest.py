@@ -233,7 +233,7 @@ class FakeVllm:
 
 @pytest.fixture
 def stub_conversion(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(grammar_convert, "to_regex", fake_regex)
+    monkeypatch.setattr(grammar_convert, "to_json_pattern", fake_regex)
     monkeypatch.setattr(grammar_convert, "to_ebnf", lambda s, d, *, json_escaped: fake_ebnf(s, d, json_escaped))
 
 
@@ -333,7 +333,7 @@ def test_validate_mode_is_counted_as_validate() -> None:
 
 
 def test_conversion_failure_is_reported_once_per_definition(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(grammar_convert, "to_regex", no_regex)
+    monkeypatch.setattr(grammar_convert, "to_json_pattern", no_regex)
     secret = 'start: "hunter2-" /[a-z]+/\n'
     tool = {**PATCH, "name": "secret_tool", "format": {**PATCH["format"], "definition": secret}}
     fake = FakeVllm(value="hunter2-abc", chat_status=404)

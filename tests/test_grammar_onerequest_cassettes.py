@@ -75,7 +75,8 @@ def test_replayed_grammar_responses_cost_one_request_and_parse(api: str, parser:
                 [fn] = [t.get("function") or t for t in body["tools"] if (t.get("function") or t)["name"] ==
                         "apply_patch"]
                 assert fn["strict"] is True
-                assert fn["parameters"]["properties"]["input"]["pattern"] == grammar_convert.to_regex("lark", grammar)
+                pattern = fn["parameters"]["properties"]["input"]["pattern"]
+                assert pattern == grammar_convert.to_json_pattern("lark", grammar)
             for item in final["output"]:
                 if item["type"] != "custom_tool_call":
                     continue

@@ -13,7 +13,8 @@ connection. vLLM 0.32 can constrain the call inside the first request, in one of
   bare string would reopen an unconstrained path to the same call.
 * **strict pattern** (``--tool-call-parser auto``, the default): the gateway cannot know the call format (a tag
   for the wrong one would turn every call into text), so it lets vLLM build its own strict-tool tag: the custom
-  tool's function stays ``strict: true`` and its ``input`` gets ``"pattern": to_regex(grammar)``. Only regular
+  tool's function stays ``strict: true`` and its ``input`` gets ``"pattern": to_json_pattern(grammar)`` (over the
+  JSON-escaped text, which is what xgrammar matches a string's pattern against). Only regular
   grammars have a pattern (Codex's ``apply_patch`` has); the others stay with the takeover.
 
 A grammar that cannot be converted, a request carrying its own structured output (``text.format`` or
@@ -53,7 +54,7 @@ ROUTES: tuple[Route, ...] = ("structural_tag", "strict_pattern", "takeover", "va
 PARSERS = ("auto", "hermes", "qwen3_coder", "qwen3_xml")
 
 ToEbnf = Callable[[str, str, bool], str]
-ToRegex = Callable[[str, str], str]
+ToRegex = Callable[[str, str], str]  # grammar_convert.to_json_pattern
 OnFailure = Callable[[ToolInfo, str], None]  # (tool, form "ebnf"|"regex"): reported by the engine, once
 
 

@@ -115,7 +115,8 @@ async def routes_for(ctx: ResolvedToolContext, body: dict[str, Any], *, mode: st
         ctx, body, mode=mode, parser=parser, capable=capable,
         to_ebnf=lambda syntax, definition, escaped: grammar_convert.to_ebnf(syntax, definition,
                                                                            json_escaped=escaped),
-        to_regex=grammar_convert.to_regex, on_failure=lambda info, form: _report_failure(record, info, form))
+        # xgrammar applies a string's pattern to its JSON-escaped text between the quotes: the pattern is over that.
+        to_regex=grammar_convert.to_json_pattern, on_failure=lambda info, form: _report_failure(record, info, form))
     record.grammar_routes = list(routes.used)
     return routes
 
