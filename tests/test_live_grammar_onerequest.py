@@ -6,8 +6,8 @@ vLLM runs the hermes parser). A recording transport between the gateway and vLLM
 per response (one) and keeps what was sent and answered. Every completed grammar call must parse under its Lark
 grammar and have streamed in several deltas; a call cut at ``max_output_tokens`` must end ``incomplete``.
 
-The random-weight model emits ``<tool_call>`` by itself for some seeds only; under the gateway's tag (hermes) a run
-must see at least one completed grammar call. With ``GATEWAY_RECORD_CASSETTES=1`` up to two responses that made one
+The random-weight model emits ``<tool_call>`` by itself for some seeds only; a run must see at least one completed
+grammar call. With ``GATEWAY_RECORD_CASSETTES=1`` up to two responses that made one
 (else the first response) are written to cassettes/vllm/onerequest_<api>_<parser>.yaml, replayed by
 tests/test_grammar_onerequest_cassettes.py.
 """
@@ -117,7 +117,7 @@ def live_version() -> str:
 def test_grammar_calls_cost_one_request_and_parse(api: str, parser: str, live_version: str) -> None:
     recorder = Recorder()
     calls = cut = 0
-    kept: list[tuple[dict[str, Any], list[dict[str, Any]]]] = []
+    kept: list[tuple[dict[str, Any], list[dict[str, Any]], bool]] = []
     first: tuple[dict[str, Any], list[dict[str, Any]]] | None = None  # recorded when no seed made a call
     with running_gateway(upstream_url=LIVE, transport=recorder, tool_choice_enforcement="constrain",
                          upstream_api=api, tool_call_parser=parser) as url, httpx.Client(timeout=300) as http:
@@ -137,7 +137,7 @@ def test_grammar_calls_cost_one_request_and_parse(api: str, parser: str, live_ve
                 assert "structural_tag" in sent["structured_outputs"]
             else:
                 assert "pattern" in json.dumps(sent["tools"])
-            made = False
+            made = done = False
             for item in final["output"]:
                 if item["type"] != "custom_tool_call":
                     continue
@@ -146,23 +146,23 @@ def test_grammar_calls_cost_one_request_and_parse(api: str, parser: str, live_ve
                           and e["item_id"] == item["id"]]
                 if item["status"] == "completed":
                     calls += 1
+                    done = True
                     PARSER.parse(item["input"])  # raises if the input is not in the grammar
                     assert len(deltas) > 1 and "".join(deltas) == item["input"]
                 else:
                     cut += 1
                     assert item["status"] == "incomplete" and final["status"] == "incomplete"
-            if made and len(kept) < 2:
-                kept.append((request, mine))
+            # Kept for the cassette: two responses with a completed call, one with a cut call.
+            cut_kept = any(not d for _, _, d in kept)
+            if (done and sum(1 for _, _, d in kept if d) < 2) or (made and not done and not cut_kept):
+                kept.append((request, mine, done))
             elif not made and first is None:
                 first = (request, mine)
     print(f"\n{api}/{parser}: {len(SEEDS)} responses, {calls} completed grammar calls, {cut} cut at the token limit")
-    if parser == "hermes":
-        # The gateway's tag has exact begin strings: the random-weight model's calls come out grammar-valid. Under
-        # vLLM's own strict-tool tag (auto) it wanders in the JSON whitespace that tag allows until the token limit,
-        # so few or none of its calls are ever named (the issue's probe); what ran is still one request each.
-        assert calls > 0, "no seed made a grammar call"
-    kept = kept or ([first] if first is not None else [])
-    if RECORD and kept:
+    # Seeded: on the tiny vLLM 0.32 each configuration made 4-5 completed calls in 30 seeds (and 1-2 cut ones).
+    assert calls > 0, "no seed made a completed grammar call"
+    record = [(req, ex) for req, ex, _ in kept] or ([first] if first is not None else [])
+    if RECORD and record:
         version_exchange = next(e for e in recorder.exchanges if e["uri"].endswith("/version"))
-        kept[0] = (kept[0][0], [version_exchange, *[e for e in kept[0][1] if e is not version_exchange]])
-        write_cassette(f"onerequest_{api}_{parser}", kept, live_version)
+        record[0] = (record[0][0], [version_exchange, *[e for e in record[0][1] if e is not version_exchange]])
+        write_cassette(f"onerequest_{api}_{parser}", record, live_version)
