@@ -58,14 +58,23 @@ KW.3: "if" | "else"
 ID: /(?i:[a-zé]+)/ | /\d+/
 """
 
+# A template, an inlined `?` rule with an alias, `[]`, an imported terminal and flags (`s`, `x`) on regexes.
+TEMPLATES = r"""start: _sep{item, ","} [";"]
+_sep{x, sep}: x (sep x)*
+?item: "(" NAME ")" -> paren | NAME | NAME "=" INT | DOTS
+NAME: /[a-z]+/
+DOTS: /< . >/xs
+%import common.INT
+"""
+
 LARK_GRAMMARS = {"codex": CODEX_APPLY_PATCH, "bounded": BOUNDED_PATCH, "imports": IMPORTS_PRIORITIES,
-                 "keywords": KEYWORDS}
-REGULAR = {"codex", "bounded", "keywords"}
+                 "keywords": KEYWORDS, "templates": TEMPLATES}
+REGULAR = {"codex", "bounded", "keywords", "templates"}
 
 REGEX_TOOLS = {"zip": r"[0-9]{5}", "phone": r"^\d{3}-\d{4}$", "yesno": r"(?i)(yes|no)( please)?",
                "email": r"[\w.+-]+@[\w-]+\.[a-z]{2,6}", "dotted": r"a.c|\S\s\W", "quoted": r'"[^"\\]*"\n?'}
 
-_ALPHABET = "ab*@+- .\t\n\"\\\u00e9\U0001F600:/_=,[]0123456789hHeElLoOiIfFsxEnd\u0000\x1f"
+_ALPHABET = "ab*@+- .\t\n\"\\\u00e9\U0001F600:/_=,;<>()[]0123456789hHeElLoOiIfFsxEnd\u0000\x1f"
 
 
 def _judge(syntax: str, definition: str) -> Callable[[str], bool]:
