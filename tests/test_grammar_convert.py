@@ -58,14 +58,23 @@ KW.3: "if" | "else"
 ID: /(?i:[a-zé]+)/ | /\d+/
 """
 
+# A template, an inlined `?` rule with an alias, `[]`, an imported terminal and flags (`s`, `x`) on regexes.
+TEMPLATES = r"""start: _sep{item, ","} [";"]
+_sep{x, sep}: x (sep x)*
+?item: "(" NAME ")" -> paren | NAME | NAME "=" INT | DOTS
+NAME: /[a-z]+/
+DOTS: /< . >/xs
+%import common.INT
+"""
+
 LARK_GRAMMARS = {"codex": CODEX_APPLY_PATCH, "bounded": BOUNDED_PATCH, "imports": IMPORTS_PRIORITIES,
-                 "keywords": KEYWORDS}
-REGULAR = {"codex", "bounded", "keywords"}
+                 "keywords": KEYWORDS, "templates": TEMPLATES}
+REGULAR = {"codex", "bounded", "keywords", "templates"}
 
 REGEX_TOOLS = {"zip": r"[0-9]{5}", "phone": r"^\d{3}-\d{4}$", "yesno": r"(?i)(yes|no)( please)?",
                "email": r"[\w.+-]+@[\w-]+\.[a-z]{2,6}", "dotted": r"a.c|\S\s\W", "quoted": r'"[^"\\]*"\n?'}
 
-_ALPHABET = "ab*@+- .\t\n\"\\\u00e9\U0001F600:/_=,[]0123456789hHeElLoOiIfFsxEnd\u0000\x1f"
+_ALPHABET = "ab*@+- .\t\n\"\\\u00e9\U0001F600:/_=,;<>()[]0123456789hHeElLoOiIfFsxEnd\u0000\x1f"
 
 
 def _judge(syntax: str, definition: str) -> Callable[[str], bool]:
@@ -310,3 +319,23 @@ def test_xgrammar_json_schema_pattern_is_not_escaped() -> None:
     good, bad = json.dumps({"input": "a\nb"}), '{"input": "a\nb"}'
     assert _oracle([{"json_schema": raw, "strings": [good, bad]},
                     {"json_schema": escaped, "strings": [good, bad]}]) == [[False, True], [True, False]]
+
+
+def test_xml_argument_formats_take_the_raw_regex() -> None:
+    """The other side of the same coin: in an XML-parameter format (qwen3_coder's `qwen_xml` style) xgrammar
+    applies the pattern to the raw value, so there the raw regex (to_regex) is the right one and the escaped
+    pattern is not. Which one a strict tool's schema needs therefore depends on the upstream's call format."""
+    patch = "*** Begin Patch\n*** Add File: a.txt\n+hi\n*** End Patch"
+    escaped = json.dumps(patch)[1:-1]
+
+    def tag(pattern: str) -> dict[str, Any]:
+        schema = {"type": "object", "properties": {"input": {"type": "string", "pattern": pattern}},
+                  "required": ["input"]}
+        return {"type": "structural_tag", "format": {"type": "json_schema", "json_schema": schema,
+                                                     "style": "qwen_xml"}}
+
+    strings = [f"<parameter=input>{patch}</parameter>", f"<parameter=input>{escaped}</parameter>",
+               "<parameter=input>*** Begin Patch\n*** End Patch</parameter>"]
+    assert _oracle([{"structural_tag": tag(to_regex("lark", BOUNDED_PATCH)), "strings": strings},
+                    {"structural_tag": tag(to_json_pattern("lark", BOUNDED_PATCH)), "strings": strings}]) == [
+        [True, False, False], [False, True, False]]

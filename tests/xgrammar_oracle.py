@@ -1,7 +1,8 @@
 """Accept/reject oracle over xgrammar, run in the tiny vLLM's environment (which has xgrammar and torch; the
 gateway's own environment never imports them). Reads JSON on stdin:
 
-    {"jobs": [{"ebnf": "<grammar>"} | {"regex": "<pattern>"} | {"json_schema": {...}}, "strings": [...]}, ...]}
+    {"jobs": [{"ebnf": "<grammar>"} | {"regex": "<pattern>"} | {"json_schema": {...}} | {"structural_tag": {...}},
+               "strings": [...]}, ...]}
 
 and writes {"results": [[true, false, ...], ...]} (one list per job) or {"error": "..."} for a grammar that
 xgrammar refuses. A string is accepted when the matcher takes all of it and can terminate there.
@@ -25,6 +26,8 @@ def main() -> None:
                 grammar = xgr.Grammar.from_ebnf(job["ebnf"])
             elif "regex" in job:
                 grammar = xgr.Grammar.from_regex(job["regex"])
+            elif "structural_tag" in job:
+                grammar = xgr.Grammar.from_structural_tag(json.dumps(job["structural_tag"]))
             else:  # as vLLM's strict-tool structural tag builds it: no whitespace freedom
                 grammar = xgr.Grammar.from_json_schema(json.dumps(job["json_schema"]), any_whitespace=False)
             compiled = compiler.compile_grammar(grammar)

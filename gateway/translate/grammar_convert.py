@@ -17,6 +17,10 @@ How it works:
   right recursion Lark builds for ``+``/``*`` becomes a repeat, any other recursion is GrammarConversionError).
   Emitted regexes use only explicit classes and literal characters, so Python, JSON-schema validators and
   xgrammar's regex converter (whose ``.`` and ``\\w`` differ from Python's) read them alike.
+- Three outputs: ``to_ebnf`` (a structural tag's grammar content, raw or JSON-escaped), ``to_regex`` (the raw
+  strings, for anything that applies a regex to the decoded input), ``to_json_pattern`` (a JSON-schema
+  ``pattern`` as xgrammar applies it: to the escaped text between the quotes; xgrammar 0.2.8 does not escape a
+  pattern's characters itself).
 - ``%ignore``: ignored terminals may appear before every token and at the end, as Lark's lexers skip them.
 - ``json_escaped``: done on the tree, each character set split into the characters a JSON string carries as
   they are and the ones it must escape, each of those replaced by its escape. Only the canonical escapes
