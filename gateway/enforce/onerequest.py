@@ -14,7 +14,9 @@ connection. vLLM 0.32 can constrain the call inside the first request, in one of
 * **strict pattern** (``--tool-call-parser auto``, the default): the gateway cannot know the call format (a tag
   for the wrong one would turn every call into text), so it lets vLLM build its own strict-tool tag: the custom
   tool's function stays ``strict: true`` and its ``input`` gets ``"pattern": to_json_pattern(grammar)`` (over the
-  JSON-escaped text, which is what xgrammar matches a string's pattern against). Only regular
+  JSON-escaped text, which is what xgrammar matches a string's pattern against in JSON-argument formats; an
+  XML-parameter format (qwen3_coder) matches it against the raw value: such a server needs its named parser here,
+  or its calls fail the end-of-call check and close ``incomplete``). Only regular
   grammars have a pattern (Codex's ``apply_patch`` has); the others stay with the takeover.
 
 A grammar that cannot be converted, a request carrying its own structured output (``text.format`` or
