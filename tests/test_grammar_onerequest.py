@@ -436,6 +436,7 @@ def test_300_sequential_grammar_tool_responses_reuse_a_handful_of_connections() 
             assert final["response"]["output"][-1]["input"] == VALID
     assert len(upstream.sent) == 300  # one generation request per response
     assert all("pattern" in json.dumps(b["tools"]) for b in upstream.sent)
+    print(f"\n{upstream.accepted} upstream connection(s) for 300 sequential grammar-tool responses")
     assert upstream.accepted <= 8, f"{upstream.accepted} upstream connections for 300 sequential responses"
 
 
