@@ -570,14 +570,45 @@ def _to_ebnf(syntax: str, definition: str, json_escaped: bool) -> str:
         raise GrammarConversionError("the grammar nests too deeply") from exc
 
 
+# A conversion is cached; a client's grammar must not make a multi-megabyte entry (nor upstream request).
+_MAX_EBNF_SIZE = 512_000
+
+
 def _render_ebnf(grammar: _Grammar, json_escaped: bool) -> str:
+    classes: dict[Ranges, str] = {}  # large character sets (Unicode \w, ...) written once, as rules
     lines = []
-    for name in _reachable(grammar):
-        body = grammar.rules[name]
+    size = 0
+    pending = _reachable(grammar)
+    rules = dict(grammar.rules)
+    while pending:
+        name = pending.pop(0)
+        body = _share_classes(rules[name], classes, rules, pending)
         if json_escaped:
             body = json_escaped_tree(body)
-        lines.append(f"{name} ::= {_ebnf(body)}")
+        line = f"{name} ::= {_ebnf(body)}"
+        size += len(line) + 1
+        if size > _MAX_EBNF_SIZE:
+            raise GrammarConversionError("the grammar's EBNF would be too large")
+        lines.append(line)
     return "\n".join(lines) + "\n"
+
+
+def _share_classes(node: Node, classes: dict[Ranges, str], rules: dict[str, Node], pending: list[str]) -> Node:
+    if isinstance(node, Chars):
+        if len(node.ranges) < 8 or rules.get(classes.get(node.ranges, "")) == node:
+            return node  # small, or the class rule's own body
+        if node.ranges not in classes:
+            classes[node.ranges] = name = f"cls{len(classes)}__"
+            rules[name] = node
+            pending.append(name)
+        return Ref(classes[node.ranges])
+    if isinstance(node, Seq):
+        return Seq(tuple(_share_classes(i, classes, rules, pending) for i in node.items))
+    if isinstance(node, Alt):
+        return Alt(tuple(_share_classes(i, classes, rules, pending) for i in node.items))
+    if isinstance(node, Repeat):
+        return Repeat(_share_classes(node.item, classes, rules, pending), node.min, node.max)
+    return node
 
 
 def to_ebnf(syntax: str, definition: str, *, json_escaped: bool) -> str:
