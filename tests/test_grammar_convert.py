@@ -29,7 +29,13 @@ from hypothesis import strategies as st
 from hypothesis.extra.lark import from_lark
 
 from gateway.enforce.validate import check_input
-from gateway.translate.grammar_convert import GrammarConversionError, to_ebnf, to_json_pattern, to_regex
+from gateway.translate.grammar_convert import (
+    MAX_DEFINITION_CHARS,
+    GrammarConversionError,
+    to_ebnf,
+    to_json_pattern,
+    to_regex,
+)
 from gateway.translate.lark_rewrite import rewrite_zero_width
 from gateway.translate.tool_context import ToolInfo
 from tests.test_lark_lalr import BOUNDED_PATCH, CODEX_APPLY_PATCH
@@ -357,3 +363,24 @@ def test_xml_argument_formats_take_the_raw_regex(oracle: Oracle) -> None:
     assert oracle([{"structural_tag": tag(to_regex("lark", BOUNDED_PATCH)), "strings": strings},
                     {"structural_tag": tag(to_json_pattern("lark", BOUNDED_PATCH)), "strings": strings}]) == [
         [True, False, False], [False, True, False]]
+
+
+def test_huge_alternation_is_refused_by_size() -> None:
+    """3k branches of control characters (11 EBNF characters each once JSON-escaped): converted in linear time,
+    and refused as too large (the output is cached and sent upstream) rather than kept as half a megabyte."""
+    definition = "(?:" + "|".join(f"{i}" + "\x01" * 16 for i in range(3_000)) + ")"
+    assert len(definition) < MAX_DEFINITION_CHARS
+    with pytest.raises(GrammarConversionError, match="too large"):
+        to_ebnf("regex", definition, json_escaped=True)
+    assert to_regex("regex", definition)  # the regex stays within its own bound
+
+
+def test_long_definitions_fall_back() -> None:
+    with pytest.raises(GrammarConversionError, match="longer than"):
+        to_ebnf("regex", "a" * (MAX_DEFINITION_CHARS + 1), json_escaped=False)
+
+
+def test_long_literal_is_linear() -> None:
+    """A 60k-character literal converts (once per run of characters, not rebuilt per character)."""
+    text = "ab" * 30_000
+    assert re.fullmatch(to_regex("regex", text), text)
