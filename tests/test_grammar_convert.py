@@ -384,3 +384,14 @@ def test_long_literal_is_linear() -> None:
     """A 60k-character literal converts (once per run of characters, not rebuilt per character)."""
     text = "ab" * 30_000
     assert re.fullmatch(to_regex("regex", text), text)
+
+
+@pytest.mark.parametrize("depth", [50, 3000])
+def test_deep_nesting_converts_or_falls_back(depth: int) -> None:
+    """Nested groups: shallow ones convert; deep ones end in GrammarConversionError, never a RecursionError."""
+    definition = "(?:" * depth + "a" + ")" * depth
+    try:
+        assert re.fullmatch(to_regex("regex", definition), "a")
+        assert to_ebnf("regex", definition, json_escaped=True).startswith("root ::=")
+    except GrammarConversionError:
+        assert depth > 50
