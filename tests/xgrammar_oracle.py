@@ -4,8 +4,9 @@ gateway's own environment never imports them). Reads JSON on stdin:
     {"jobs": [{"ebnf": "<grammar>"} | {"regex": "<pattern>"} | {"json_schema": {...}} | {"structural_tag": {...}},
                "strings": [...]}, ...]}
 
-and writes {"results": [[true, false, ...], ...]} (one list per job) or {"error": "..."} for a grammar that
-xgrammar refuses. A string is accepted when the matcher takes all of it and can terminate there.
+and writes {"results": [[true, false, ...], ...]} (one list per job; {"error": "..."} for a grammar that xgrammar
+refuses). One request per line, one answer per line, until stdin closes: the tests keep one process (importing
+xgrammar pulls in torch, seconds). A string is accepted when the matcher takes all of it and can terminate there.
 """
 
 from __future__ import annotations
@@ -17,30 +18,32 @@ import sys
 def main() -> None:
     import xgrammar as xgr
 
-    request = json.load(sys.stdin)
     compiler = xgr.GrammarCompiler(xgr.TokenizerInfo([]), cache_enabled=False)
-    results = []
-    for job in request["jobs"]:
-        try:
-            if "ebnf" in job:
-                grammar = xgr.Grammar.from_ebnf(job["ebnf"])
-            elif "regex" in job:
-                grammar = xgr.Grammar.from_regex(job["regex"])
-            elif "structural_tag" in job:
-                grammar = xgr.Grammar.from_structural_tag(json.dumps(job["structural_tag"]))
-            else:  # as vLLM's strict-tool structural tag builds it: no whitespace freedom
-                grammar = xgr.Grammar.from_json_schema(json.dumps(job["json_schema"]), any_whitespace=False)
-            compiled = compiler.compile_grammar(grammar)
-        except Exception as exc:  # the grammar itself is the finding
-            results.append({"error": f"{type(exc).__name__}: {exc}"[:2000]})
-            continue
-        matcher = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
-        verdicts = []
-        for text in job["strings"]:
-            matcher.reset()
-            verdicts.append(bool(matcher.accept_string(text)) and bool(matcher.is_terminated()))
-        results.append(verdicts)
-    json.dump({"results": results}, sys.stdout)
+    for line in sys.stdin:
+        request = json.loads(line)
+        results: list[object] = []
+        for job in request["jobs"]:
+            try:
+                if "ebnf" in job:
+                    grammar = xgr.Grammar.from_ebnf(job["ebnf"])
+                elif "regex" in job:
+                    grammar = xgr.Grammar.from_regex(job["regex"])
+                elif "structural_tag" in job:
+                    grammar = xgr.Grammar.from_structural_tag(json.dumps(job["structural_tag"]))
+                else:  # the JSON-schema converter with no whitespace freedom (", " and ": " separators)
+                    grammar = xgr.Grammar.from_json_schema(json.dumps(job["json_schema"]), any_whitespace=False)
+                compiled = compiler.compile_grammar(grammar)
+            except Exception as exc:  # the grammar itself is the finding
+                results.append({"error": f"{type(exc).__name__}: {exc}"[:2000]})
+                continue
+            matcher = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
+            verdicts = []
+            for text in job["strings"]:
+                matcher.reset()
+                verdicts.append(bool(matcher.accept_string(text)) and bool(matcher.is_terminated()))
+            results.append(verdicts)
+        sys.stdout.write(json.dumps({"results": results}) + "\n")
+        sys.stdout.flush()
 
 
 if __name__ == "__main__":

@@ -112,24 +112,30 @@ def _seq(items: Iterable[Node]) -> Node:
             flat.extend(item.items)
         elif item != EMPTY:
             flat.append(item)
-    # merge adjacent literals: shorter output, same language
+    # merge adjacent literals (joined once per run: a long literal must not be rebuilt per character)
     merged: list[Node] = []
+    run: list[str] = []
     for item in flat:
-        if merged and isinstance(item, Lit) and isinstance(merged[-1], Lit):
-            merged[-1] = Lit(merged[-1].text + item.text)
-        else:
-            merged.append(item)
+        if isinstance(item, Lit):
+            run.append(item.text)
+            continue
+        if run:
+            merged.append(Lit("".join(run)))
+            run = []
+        merged.append(item)
+    if run:
+        merged.append(Lit("".join(run)))
     if not merged:
         return EMPTY
     return merged[0] if len(merged) == 1 else Seq(tuple(merged))
 
 
 def _alt(items: Iterable[Node]) -> Node:
-    out: list[Node] = []
+    unique: dict[Node, None] = {}  # a dict, not a list scan: a client's regex may have 100k branches
     for item in items:
         for sub in item.items if isinstance(item, Alt) else (item,):
-            if sub not in out:
-                out.append(sub)
+            unique[sub] = None
+    out = list(unique)
     if not out:
         raise GrammarConversionError("an alternative with no branches")
     if len(out) == 1:
@@ -293,7 +299,7 @@ def regex_tree(pattern: str, *, full_match: bool) -> Node:
         parsed = sre_parse.parse(pattern)
     except (re.error, OverflowError, RecursionError) as exc:
         raise GrammarConversionError(f"the regex does not compile in Python ({exc})") from exc
-    flags = parsed.state.flags
+    flags = int(parsed.state.flags)  # a plain int: RegexFlag arithmetic per character is slow
     if flags & re.VERBOSE:
         flags &= ~re.VERBOSE  # already applied by the parser
     items = list(parsed.data)
@@ -346,7 +352,7 @@ def _node(op: Any, av: Any, flags: int) -> Node:
         return _alt(_tree(branch.data, flags) for branch in av[1])
     if op is sre_c.SUBPATTERN:
         _, add_flags, del_flags, sub = av
-        return _tree(sub.data, (flags | add_flags) & ~del_flags)
+        return _tree(sub.data, (flags | int(add_flags)) & ~int(del_flags))
     if op in (sre_c.MAX_REPEAT, sre_c.MIN_REPEAT):
         lo, hi, sub = av
         # lazy and greedy repeats accept the same whole strings
@@ -485,7 +491,14 @@ def _regex_grammar(definition: str) -> _Grammar:
     return _Grammar({"root": regex_tree(definition, full_match=True)}, "root")
 
 
+# Codex's apply_patch grammar is about 1 KB; conversion is linear but runs in the caller's thread, so a
+# definition beyond this falls back (GrammarConversionError) instead of costing seconds.
+MAX_DEFINITION_CHARS = 64_000
+
+
 def _grammar(syntax: str, definition: str) -> _Grammar:
+    if len(definition) > MAX_DEFINITION_CHARS:
+        raise GrammarConversionError(f"the grammar is longer than {MAX_DEFINITION_CHARS} characters")
     if syntax == "lark":
         return _lark_grammar(definition)
     if syntax == "regex":
@@ -570,14 +583,45 @@ def _to_ebnf(syntax: str, definition: str, json_escaped: bool) -> str:
         raise GrammarConversionError("the grammar nests too deeply") from exc
 
 
+# A conversion is cached; a client's grammar must not make a multi-megabyte entry (nor upstream request).
+_MAX_EBNF_SIZE = 512_000
+
+
 def _render_ebnf(grammar: _Grammar, json_escaped: bool) -> str:
+    classes: dict[Ranges, str] = {}  # large character sets (Unicode \w, ...) written once, as rules
     lines = []
-    for name in _reachable(grammar):
-        body = grammar.rules[name]
+    size = 0
+    pending = _reachable(grammar)
+    rules = dict(grammar.rules)
+    while pending:
+        name = pending.pop(0)
+        body = _share_classes(rules[name], classes, rules, pending)
         if json_escaped:
             body = json_escaped_tree(body)
-        lines.append(f"{name} ::= {_ebnf(body)}")
+        line = f"{name} ::= {_ebnf(body)}"
+        size += len(line) + 1
+        if size > _MAX_EBNF_SIZE:
+            raise GrammarConversionError("the grammar's EBNF would be too large")
+        lines.append(line)
     return "\n".join(lines) + "\n"
+
+
+def _share_classes(node: Node, classes: dict[Ranges, str], rules: dict[str, Node], pending: list[str]) -> Node:
+    if isinstance(node, Chars):
+        if len(node.ranges) < 8 or rules.get(classes.get(node.ranges, "")) == node:
+            return node  # small, or the class rule's own body
+        if node.ranges not in classes:
+            classes[node.ranges] = name = f"cls{len(classes)}__"
+            rules[name] = node
+            pending.append(name)
+        return Ref(classes[node.ranges])
+    if isinstance(node, Seq):
+        return Seq(tuple(_share_classes(i, classes, rules, pending) for i in node.items))
+    if isinstance(node, Alt):
+        return Alt(tuple(_share_classes(i, classes, rules, pending) for i in node.items))
+    if isinstance(node, Repeat):
+        return Repeat(_share_classes(node.item, classes, rules, pending), node.min, node.max)
+    return node
 
 
 def to_ebnf(syntax: str, definition: str, *, json_escaped: bool) -> str:
