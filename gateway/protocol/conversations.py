@@ -26,6 +26,13 @@ _ID_PREFIX = {
     "custom_tool_call": "ctc",
     "custom_tool_call_output": "ctco",
     "reasoning": "rs",
+    # the client-executed built-in tools (gateway.translate.builtin_tools.ITEM_ID_PREFIX)
+    "apply_patch_call": "apc",
+    "apply_patch_call_output": "apco",
+    "shell_call": "sh",
+    "shell_call_output": "sho",
+    "local_shell_call": "lsh",
+    "local_shell_call_output": "lsho",
 }
 
 

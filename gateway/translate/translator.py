@@ -10,6 +10,11 @@ sees (``_Item.kind``):
                  the decoded ``input`` string as it arrives, ``.done`` carries the whole of it;
 * ``function``   a function call, passed through (namespace members get their public name back);
 * ``pass``       messages, reasoning and anything unknown, passed through;
+* ``patch``      an ``apply_patch`` call, shown as an ``apply_patch_call``: announced once its operation's type and
+                 path are known, its diff streamed as ``response.apply_patch_call_operation_diff.delta`` events
+                 (gateway.translate.builtin_tools);
+* ``builtin``    a ``shell`` / ``local_shell`` call, shown as a ``shell_call`` / ``local_shell_call`` completed with
+                 its action when its arguments are;
 * ``pending``    a call whose name has not arrived: its frames are held (at most
                  ``max_unnamed_call_bytes`` per response) until the name arrives, then released in order;
 * ``suppressed`` a call after the first one when ``parallel_tool_calls`` is false: nothing is emitted;
@@ -48,6 +53,7 @@ import orjson
 from gateway.protocol.events import ClientEvent, UpstreamEvent
 from gateway.protocol.ids import IdFactory
 from gateway.translate.accumulator import ResponseAccumulator, UpstreamItem
+from gateway.translate.builtin_tools import BUILTIN_TOOL_TYPES, PatchStream, builtin_call_item, opening_item
 from gateway.translate.custom_input import InputDecoder, final_input
 from gateway.translate.mcp_items import approval_request_item, approval_required, mcp_call_item
 from gateway.translate.restore import RequestState, client_call_item, restore_response
@@ -69,6 +75,7 @@ class TranslatorStats:
     input_mismatches: int = 0
     raw_inputs: int = 0
     mcp_calls: int = 0
+    builtin_calls: int = 0
 
 
 @dataclass(slots=True)
@@ -80,6 +87,7 @@ class _Item:
     info: ToolInfo | None = None
     held: list[tuple[str, dict[str, Any], str]] = field(default_factory=list)
     decoder: InputDecoder | None = None
+    patch: PatchStream | None = None
     emitted: list[str] = field(default_factory=list)
     input_done: str | None = None
     args_done_sent: bool = False
@@ -335,6 +343,8 @@ class FunctionSseTranslator:
         base["name"] = up.name
         if st.info is not None and st.info.kind == "mcp":
             return self._open_owned(st)
+        if st.info is not None and st.info.kind in BUILTIN_TOOL_TYPES:
+            return self._open_builtin(st, base)
         if st.info is not None and st.info.kind == "custom":
             st.kind = "custom"
             st.decoder = InputDecoder()
@@ -350,6 +360,64 @@ class FunctionSseTranslator:
         st.item_id = item.get("id")
         self._assign(st)
         return [self._emit("response.output_item.added", {"output_index": st.client_index, "item": item})]
+
+    # ------------------------------------------------------------------ client-executed built-in tools
+
+    def _open_builtin(self, st: _Item, base: dict[str, Any]) -> list[ClientEvent]:
+        assert st.info is not None
+        self.stats.builtin_calls += 1
+        st.round = self.round
+        if st.info.kind == "apply_patch":
+            st.kind = "patch"  # announced when its operation's type and path are known (_patch_delta)
+            st.patch = PatchStream(self.state.max_unnamed_call_bytes)
+            return []
+        st.kind = "builtin"
+        item = opening_item(st.info.kind, base)
+        st.item_id = item["id"]
+        self._assign(st)
+        return [self._emit("response.output_item.added", {"output_index": st.client_index, "item": item})]
+
+    def _open_patch(self, st: _Item, operation: dict[str, Any]) -> list[ClientEvent]:
+        item = opening_item("apply_patch", {**st.up.item, "name": st.up.name}, {**operation, "diff": ""}
+                            if operation.get("type") != "delete_file" else operation)
+        st.item_id = item["id"]
+        self._assign(st)
+        return [self._emit("response.output_item.added", {"output_index": st.client_index, "item": item})]
+
+    def _patch_delta(self, st: _Item, delta: str) -> list[ClientEvent]:
+        assert st.patch is not None
+        piece = st.patch.feed(delta)
+        out: list[ClientEvent] = []
+        if st.client_index < 0 and st.patch.operation is not None:
+            out += self._open_patch(st, st.patch.operation)
+        if piece and st.client_index >= 0:
+            st.emitted.append(piece)
+            out.append(self._emit("response.apply_patch_call_operation_diff.delta",
+                                  {"item_id": st.item_id, "output_index": st.client_index, "delta": piece}))
+        return out
+
+    def _close_patch(self, st: _Item, status: str) -> list[ClientEvent]:
+        """The authoritative operation from the complete arguments; a catch-up delta keeps the deltas'
+        concatenation equal to the done diff (as custom inputs do)."""
+        up = st.up
+        final = builtin_call_item("apply_patch", {**up.item, "status": status}, up.arguments)
+        operation = final["operation"]
+        out: list[ClientEvent] = []
+        if st.client_index < 0:
+            out += self._open_patch(st, operation)
+        base = {"item_id": st.item_id, "output_index": st.client_index}
+        if "diff" in operation:
+            diff, sent = str(operation["diff"]), "".join(st.emitted)
+            if diff.startswith(sent):
+                if diff[len(sent):]:
+                    out.append(self._emit("response.apply_patch_call_operation_diff.delta",
+                                          {**base, "delta": diff[len(sent):]}))
+            else:
+                self.stats.input_mismatches += 1  # the authoritative diff wins; the deltas were a guess
+            out.append(self._emit("response.apply_patch_call_operation_diff.done", {**base, "diff": diff}))
+        st.final = final
+        out.append(self._emit("response.output_item.done", {"output_index": st.client_index, "item": final}))
+        return out
 
     # ------------------------------------------------------------------ gateway-owned calls (MCP)
 
@@ -432,7 +500,8 @@ class FunctionSseTranslator:
 
     @property
     def client_calls_in_round(self) -> bool:
-        return any(st.kind in ("custom", "function") and st.round == self.round for st in self._order)
+        return any(st.kind in ("custom", "function", "patch", "builtin") and st.round == self.round
+                   for st in [*self._order, *self._items.values()])
 
     def complete_owned(self, key: str, output: str | None = None, error: dict[str, Any] | None = None
                        ) -> list[ClientEvent]:
@@ -546,8 +615,11 @@ class FunctionSseTranslator:
             if etype == "response.function_call_arguments.done":
                 return self._custom_done(st, str(d.get("arguments", "")))
             return []  # nothing else belongs to a custom call
-        if kind == "suppressed":
-            return []
+        if kind == "suppressed" or kind == "builtin":
+            return []  # a shell call's action is shown when complete
+        if kind == "patch":
+            return self._patch_delta(st, str(d.get("delta", ""))) \
+                if etype == "response.function_call_arguments.delta" else []
         if kind == "mcp" or kind == "approval":
             return self._owned_sub_event(st, etype, d)
         if kind == "function" and etype == "response.function_call_arguments.done":
@@ -631,6 +703,8 @@ class FunctionSseTranslator:
             out += self._open_call(st)
             if st.kind == "suppressed":
                 return out
+            if st.kind in ("patch", "builtin"):
+                return out + self._close_item(st, "completed")
             if st.kind in ("mcp", "approval"):
                 if st.kind == "mcp" and up.arguments:
                     out += self._owned_sub_event(st, "response.function_call_arguments.delta",
@@ -696,6 +770,8 @@ class FunctionSseTranslator:
         """``output_item.done`` with the authoritative item (the upstream's done item, or what we built)."""
         if st.kind == "approval" and st.opened is None and st.final is None and status == "completed":
             return self._close_owned(st, status)  # a deferred approval request, complete now
+        if st.kind == "patch" and st.final is None:
+            return self._close_patch(st, status)
         if st.kind == "suppressed" or st.client_index < 0 or st.final is not None:
             return []
         if st.kind in ("mcp", "approval"):
@@ -706,6 +782,9 @@ class FunctionSseTranslator:
             out += self._custom_done(st, up.arguments)
             final = client_call_item({**up.item, "name": up.name}, st.info, st.input_done)
             final["status"] = status
+        elif st.kind == "builtin":
+            assert st.info is not None
+            final = builtin_call_item(st.info.kind, {**up.item, "status": status}, up.arguments)
         elif st.kind == "function":
             out += self._args_done(st)
             final = client_call_item({**up.item, "name": up.name, "arguments": up.arguments}, st.info)
@@ -725,6 +804,9 @@ class FunctionSseTranslator:
         for st in self._order:
             if st.open:
                 out += self._close_item(st, status)
+        for st in list(self._items.values()):
+            if st.kind == "patch" and st.final is None:  # never announced: shown with what arrived
+                out += self._close_patch(st, status)
         return out
 
     def _final_output(self) -> list[dict[str, Any]]:
