@@ -31,8 +31,9 @@ from agents import (
 from agents.apply_diff import apply_diff
 from agents.editor import ApplyPatchOperation, ApplyPatchResult
 
+from gateway.store import SqliteResponseStore
 from tests.support import running_gateway
-from tests.test_js_clients import ScriptedVllm, Upstream, _hex
+from tests.test_js_clients import ScriptedVllm, Upstream, _hex, js_clients, run_js  # noqa: F401 (a fixture)
 from tests.vllm_frames import args_deltas
 
 CREATE = {"operation": {"type": "create_file", "path": "notes.txt", "diff": "+hello\n+world\n"}}
@@ -135,3 +136,41 @@ def test_agents_sdk_streamed_run_patches_a_file_and_runs_commands(tmp_path: Path
     outs = [i for i in last if i.get("type") == "function_call_output"]
     assert [o["call_id"] for o in outs] == [c["call_id"] for c in calls]
     assert "gateway" in outs[2]["output"] and '"stdout": "hi\\n"' in outs[3]["output"]
+
+
+# --- the Vercel AI SDK (tests/js, the judges' pinned packages) ----------------------------------------------------
+
+AI_SDK_SCRIPT: list[tuple[str, dict[str, Any]]] = [("apply_patch", CREATE), ("shell", {"action": {"commands": [
+    "cat notes.txt"]}})]
+
+
+def test_ai_sdk_apply_patch_and_shell_in_a_streamed_tool_loop(js_clients: Path, tmp_path: Path) -> None:
+    def answer(body: dict[str, Any], resp: ScriptedVllm) -> None:
+        step = _outputs(body)
+        if step < len(AI_SDK_SCRIPT):
+            name, args = AI_SDK_SCRIPT[step]
+            resp.call(f"fc_{_hex()}", f"call_{_hex()}", name, args_deltas(args, 6))
+        else:
+            resp.message(f"msg_{_hex()}", ["Done."])
+
+    upstream = Upstream(answer)
+    with running_gateway(transport=upstream.transport, store=SqliteResponseStore(tmp_path / "r.db")) as url:
+        seen = run_js(js_clients, "ai_sdk_builtin_tools.mjs", url)
+    assert seen.get("error") is None and seen["errors"] == [], seen
+    assert seen["toolTypes"] == ["apply_patch", "shell"], seen
+    [patch] = seen["patches"]
+    assert patch["operation"] == CREATE["operation"], seen
+    assert seen["commands"] == [["cat notes.txt"]], seen
+    assert [c["toolName"] for c in seen["toolCalls"]] == ["apply_patch", "shell"], seen
+    assert not any(c["invalid"] for c in seen["toolCalls"]), seen
+    assert seen["toolCalls"][0]["itemId"].startswith("apc_") and seen["toolCalls"][1]["itemId"].startswith("sh_")
+    # the AI SDK rebuilt the apply_patch input from the streamed diff deltas
+    assert json.loads("".join(seen["inputDeltas"]))["operation"] == CREATE["operation"], seen
+    assert seen["text"] == "Done." and seen["finishReason"] == "stop", seen
+    assert all(r["status"] == 200 for r in seen["requests"]), seen
+    assert "apply_patch_call_output" in seen["requests"][1]["inputTypes"], seen
+    assert "shell_call_output" in seen["requests"][2]["inputTypes"], seen
+    # vLLM got both calls back with their outputs as function calls
+    last = upstream.requests[-1]["input"]
+    assert [i["name"] for i in last if i.get("type") == "function_call"] == ["apply_patch", "shell"], last
+    assert sum(1 for i in last if i.get("type") == "function_call_output") == 2, last
