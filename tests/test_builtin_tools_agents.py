@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import openai
+import pytest
 from agents import (
     Agent,
     ApplyPatchTool,
@@ -32,8 +33,8 @@ from agents.apply_diff import apply_diff
 from agents.editor import ApplyPatchOperation, ApplyPatchResult
 
 from gateway.store import SqliteResponseStore
-from tests.support import running_gateway
-from tests.test_js_clients import ScriptedVllm, Upstream, _hex, js_clients, run_js  # noqa: F401 (a fixture)
+from tests.support import npm_packages, running_gateway
+from tests.test_js_clients import JS, ScriptedVllm, Upstream, _hex, run_js
 from tests.vllm_frames import args_deltas
 
 CREATE = {"operation": {"type": "create_file", "path": "notes.txt", "diff": "+hello\n+world\n"}}
@@ -142,6 +143,12 @@ def test_agents_sdk_streamed_run_patches_a_file_and_runs_commands(tmp_path: Path
 
 AI_SDK_SCRIPT: list[tuple[str, dict[str, Any]]] = [("apply_patch", CREATE), ("shell", {"action": {"commands": [
     "cat notes.txt"]}})]
+
+
+@pytest.fixture(scope="module")
+def js_clients() -> Path:
+    npm_packages(JS, "the JavaScript client tests")
+    return JS
 
 
 def test_ai_sdk_apply_patch_and_shell_in_a_streamed_tool_loop(js_clients: Path, tmp_path: Path) -> None:
