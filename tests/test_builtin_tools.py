@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -23,6 +24,7 @@ from openai.types.responses.response import Response
 from openai.types.responses.response_output_item import LocalShellCall
 from pydantic import TypeAdapter
 
+from gateway.enforce.validate import check_pinned_output
 from gateway.errors import InvalidRequest
 from gateway.protocol.events import ClientEvent, UpstreamEvent
 from gateway.protocol.sse import SseParser, encode_events
@@ -33,7 +35,8 @@ from gateway.translate.rewrite import build_upstream_request
 from gateway.translate.tool_context import resolve_tool_context
 from gateway.translate.translator import FunctionSseTranslator
 from tests.invariants import check_stream
-from tests.support import sse_events
+from tests.support import running_gateway, sse_events
+from tests.test_js_clients import ScriptedVllm, Upstream
 from tests.vllm_frames import VllmStream, args_deltas
 
 TOOLS = [{"type": "apply_patch"}, {"type": "shell", "environment": {"type": "local"}}, {"type": "local_shell"}]
@@ -283,3 +286,52 @@ def test_malformed_history_items_are_400s_naming_the_field(item: dict[str, Any],
     with pytest.raises(InvalidRequest) as err:
         build_upstream_request(body, resolve_tool_context(body))
     assert err.value.param == param
+
+
+# --- tool_choice enforcement ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("operation", "problem"), [
+    ({"type": "create_file", "path": "a", "diff": "+x\n+y\n"}, None),
+    ({"type": "create_file", "path": "a", "diff": "x\n"}, "line 1 of the create_file diff is not a V4A line"),
+    ({"type": "update_file", "path": "a", "diff": "@@ def f():\n a\n-b\n+c\n\n*** End of File\n"}, None),
+    ({"type": "update_file", "path": "a", "diff": "@@\n a\n b\n"}, "the update_file diff changes nothing"),
+    ({"type": "update_file", "path": "a", "diff": " a\n*b\n"}, "line 2 of the update_file diff is not a V4A line"),
+    ({"type": "delete_file", "path": "a"}, None),
+])
+def test_pinned_apply_patch_calls_are_checked_against_v4a(operation: dict[str, Any], problem: str | None) -> None:
+    body = {**REQUEST, "tool_choice": {"type": "apply_patch"}}
+    ctx = resolve_tool_context(body)
+    item = {"type": "apply_patch_call", "id": "apc_1", "call_id": "c", "status": "completed", "operation": operation}
+    verdict = check_pinned_output([item], ctx)
+    assert verdict.ok is (problem is None) and (problem is None or problem in str(verdict.reason)), verdict
+
+
+def test_pinned_shell_is_violated_by_another_call_or_by_text() -> None:
+    ctx = resolve_tool_context({**REQUEST, "tool_choice": {"type": "shell"}})
+    shell = {"type": "shell_call", "id": "sh_1", "call_id": "c", "status": "completed",
+             "action": {"commands": ["ls"], "timeout_ms": None, "max_output_length": None}}
+    local = {"type": "local_shell_call", "id": "lsh_1", "call_id": "c", "status": "completed",
+             "action": {"type": "exec", "command": ["ls"], "env": {}}}
+    assert check_pinned_output([shell], ctx).ok
+    assert "does not allow" in str(check_pinned_output([local], ctx).reason)
+    assert not check_pinned_output([{"type": "message", "role": "assistant", "content": []}], ctx).ok
+
+
+def test_a_pinned_apply_patch_with_a_broken_diff_fails_the_stream_under_validate() -> None:
+    bad = {"operation": {"type": "create_file", "path": "a.txt", "diff": "no plus sign\n"}}
+
+    def answer(body: dict[str, Any], resp: ScriptedVllm) -> None:
+        resp.call("fc_1", "call_1", "apply_patch", args_deltas(bad, 4))
+
+    upstream = Upstream(answer)
+    body = {**REQUEST, "stream": True, "tool_choice": {"type": "apply_patch"}}
+    with running_gateway(transport=upstream.transport, tool_choice_enforcement="validate") as url:
+        with httpx.Client(timeout=30) as http:
+            events = sse_events(http.post(url + "/v1/responses", json=body).content)
+    assert upstream.requests[0]["tool_choice"] == {"type": "function", "name": "apply_patch"}
+    types = _types(events)
+    assert "response.apply_patch_call_operation_diff.delta" in types  # streamed live, then judged at the end
+    assert events[-1]["type"] == "response.failed"
+    assert events[-1]["response"]["error"]["code"] == "tool_choice_violation"
+    assert "V4A" in events[-1]["response"]["error"]["message"]

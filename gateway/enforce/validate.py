@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from gateway.translate.builtin_tools import builtin_arguments, builtin_tool_of
+from gateway.translate.builtin_tools import builtin_arguments, builtin_tool_of, v4a_problem
 from gateway.translate.tool_context import ResolvedToolContext, ToolInfo
 
 if TYPE_CHECKING:
@@ -261,7 +261,9 @@ def check_call(item: Mapping[str, Any], ctx: ResolvedToolContext) -> tuple[ToolI
         info = next((i for i in ctx.callable_tools if i.kind == builtin), None)
         if info is None:
             return None, CallCheck(False, f"'{builtin}' is not a declared tool")
-        return info, check_arguments(info, builtin_arguments(item))
+        verdict = check_arguments(info, builtin_arguments(item))
+        problem = v4a_problem(item.get("operation") or {}) if builtin == "apply_patch" and verdict.ok else None
+        return info, verdict if problem is None else CallCheck(False, problem)
     info = ctx.find(str(item.get("name")), item.get("namespace"))
     if info is None:
         return None, CallCheck(False, f"'{item.get('name')}' is not a declared tool")

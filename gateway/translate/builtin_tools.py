@@ -29,6 +29,7 @@ from gateway.translate.custom_input import InputDecoder
 __all__ = [
     "BUILTIN_CALL_TYPES", "BUILTIN_OUTPUT_TYPES", "BUILTIN_TOOL_TYPES", "ITEM_ID_PREFIX", "PatchStream",
     "builtin_arguments", "builtin_call_item", "builtin_function", "builtin_history", "builtin_tool_of", "opening_item",
+    "v4a_problem",
 ]
 
 BUILTIN_TOOL_TYPES = ("apply_patch", "shell", "local_shell")
@@ -325,3 +326,28 @@ def builtin_arguments(item: Mapping[str, Any]) -> str:
     action = item.get("action")
     action = {k: v for k, v in action.items() if v is not None and k != "type"} if isinstance(action, dict) else action
     return orjson.dumps({"action": action}).decode()
+
+
+_V4A_UPDATE_LINE = re.compile(r"(@@.*|[ +\-].*|\*\*\* End of File|)")
+
+
+def v4a_problem(operation: Mapping[str, Any]) -> str | None:
+    """Why an ``apply_patch`` operation's diff is not V4A (None when it is, or when it has no diff).
+
+    create_file: every line is an added line (``+``). update_file: hunk headers (``@@`` …), context (`` ``), removed
+    (``-``) and added (``+``) lines and ``*** End of File``, with at least one change. Blank lines are taken as empty
+    context, as the Agents SDK's own ``apply_diff`` reads them. Checked on the complete call: never holds a stream."""
+    diff = operation.get("diff")
+    otype = operation.get("type")
+    if not isinstance(diff, str) or otype not in ("create_file", "update_file"):
+        return None
+    lines = diff.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    for n, line in enumerate(lines, 1):
+        ok = line.startswith("+") if otype == "create_file" else _V4A_UPDATE_LINE.fullmatch(line) is not None
+        if not ok:
+            return f"line {n} of the {otype} diff is not a V4A line"
+    if otype == "update_file" and not any(line[:1] in ("+", "-") for line in lines):
+        return "the update_file diff changes nothing"
+    return None
