@@ -251,6 +251,11 @@ def check_arguments(info: ToolInfo, arguments: str) -> CallCheck:
         # jsonschema's message quotes the value; only the failed keyword is kept (arguments never reach the logs).
         return CallCheck(False, f"arguments of '{info.name}' do not match its schema at {where} "
                                 f"(keyword '{error.validator}')")
+    if info.kind == "apply_patch":  # the diff is V4A (checked on the complete call; constrain's retries use it too)
+        operation = value.get("operation")
+        problem = v4a_problem(operation if isinstance(operation, dict) else {})
+        if problem is not None:
+            return CallCheck(False, problem)
     return CallCheck(True)
 
 
@@ -261,9 +266,7 @@ def check_call(item: Mapping[str, Any], ctx: ResolvedToolContext) -> tuple[ToolI
         info = next((i for i in ctx.callable_tools if i.kind == builtin), None)
         if info is None:
             return None, CallCheck(False, f"'{builtin}' is not a declared tool")
-        verdict = check_arguments(info, builtin_arguments(item))
-        problem = v4a_problem(item.get("operation") or {}) if builtin == "apply_patch" and verdict.ok else None
-        return info, verdict if problem is None else CallCheck(False, problem)
+        return info, check_arguments(info, builtin_arguments(item))
     info = ctx.find(str(item.get("name")), item.get("namespace"))
     if info is None:
         return None, CallCheck(False, f"'{item.get('name')}' is not a declared tool")
