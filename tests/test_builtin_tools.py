@@ -335,3 +335,48 @@ def test_a_pinned_apply_patch_with_a_broken_diff_fails_the_stream_under_validate
     assert events[-1]["type"] == "response.failed"
     assert events[-1]["response"]["error"]["code"] == "tool_choice_violation"
     assert "V4A" in events[-1]["response"]["error"]["message"]
+
+
+# --- the chat path (--upstream-api chat) ------------------------------------------------------------------------
+
+
+def test_chat_path_sends_the_history_as_tool_calls_and_streams_the_patch_back() -> None:
+    import time
+
+    from gateway.translate.chat import ChatToResponsesEvents, build_chat_request
+
+    body = {**REQUEST, "input": HISTORY[:4]}
+    up = build_chat_request(body, resolve_tool_context(body))
+    assert [t["function"]["name"] for t in up["tools"]] == ["apply_patch", "shell", "local_shell"]
+    calls = [c["function"]["name"] for m in up["messages"] for c in m.get("tool_calls") or ()]
+    assert calls == ["apply_patch", "shell"]
+    assert [m["tool_call_id"] for m in up["messages"] if m["role"] == "tool"] == ["c1", "c2"]
+
+    # chat chunks in vLLM's shape (synthesized): one apply_patch tool call, its arguments cut in pieces
+    arguments = json.dumps(CREATE)
+    base = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "tiny"}
+    chunks = [{**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]},
+              {**base, "choices": [{"index": 0, "delta": {"tool_calls": [{
+                  "id": "chatcmpl-tool-1", "type": "function", "index": 0,
+                  "function": {"name": "apply_patch", "arguments": ""}}]}, "finish_reason": None}]}]
+    for k in range(0, len(arguments), 11):
+        chunks.append({**base, "choices": [{"index": 0, "delta": {"tool_calls": [{
+            "index": 0, "function": {"arguments": arguments[k:k + 11]}}]}, "finish_reason": None}]})
+    chunks.append({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]})
+    chunks.append({**base, "choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}})
+    state = build_request_state(REQUEST, resolve_tool_context(REQUEST), response_id="resp_c", created_at=1)
+    tr = FunctionSseTranslator(state, ids=new_id)
+    conv = ChatToResponsesEvents(model="tiny", ids=new_id, clock=time.time)
+    out: list[ClientEvent] = []
+    for chunk in chunks:
+        for ev in conv.feed(chunk):
+            out += tr.feed(ev)
+    for ev in conv.done():
+        out += tr.feed(ev)
+    out += tr.finish()
+    events = sse_events(encode_events(out))
+    check_stream(events, REQUEST)
+    deltas = "".join(e["delta"] for e in events if e["type"] == "response.apply_patch_call_operation_diff.delta")
+    assert deltas == CREATE["operation"]["diff"]
+    [item] = events[-1]["response"]["output"]
+    assert ResponseApplyPatchToolCall.model_validate(item, strict=True).operation.path == "notes/hello.txt"
