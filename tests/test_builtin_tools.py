@@ -380,3 +380,55 @@ def test_chat_path_sends_the_history_as_tool_calls_and_streams_the_patch_back() 
     assert deltas == CREATE["operation"]["diff"]
     [item] = events[-1]["response"]["output"]
     assert ResponseApplyPatchToolCall.model_validate(item, strict=True).operation.path == "notes/hello.txt"
+
+
+def _commands_from_events(events: list[dict[str, Any]]) -> list[str]:
+    """The commands as a client rebuilds them from the shell_call_command events (each checked by the SDK)."""
+    from openai.types.responses import (
+        ResponseShellCallCommandAddedEvent,
+        ResponseShellCallCommandDeltaEvent,
+        ResponseShellCallCommandDoneEvent,
+    )
+
+    models = {"response.shell_call_command.added": ResponseShellCallCommandAddedEvent,
+              "response.shell_call_command.delta": ResponseShellCallCommandDeltaEvent,
+              "response.shell_call_command.done": ResponseShellCallCommandDoneEvent}
+    built: dict[int, str] = {}
+    done: dict[int, str] = {}
+    for e in events:
+        if e["type"] in models:
+            models[e["type"]].model_validate(e, strict=True)
+        if e["type"] == "response.shell_call_command.added":
+            assert e["command_index"] not in built
+            built[e["command_index"]] = e["command"]
+        elif e["type"] == "response.shell_call_command.delta":
+            built[e["command_index"]] += e["delta"]
+        elif e["type"] == "response.shell_call_command.done":
+            assert e["command_index"] not in done
+            done[e["command_index"]] = e["command"]
+    assert built == done and sorted(done) == list(range(len(done)))
+    return [done[i] for i in range(len(done))]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(commands=st.lists(texts, max_size=4), ascii_only=st.booleans(),
+       delta_cuts=st.lists(st.integers(min_value=0, max_value=10_000), max_size=20))
+def test_shell_commands_stream_as_command_events_under_any_chunking(commands: list[str], ascii_only: bool,
+                                                                    delta_cuts: list[int]) -> None:
+    arguments = json.dumps({"action": {"commands": commands, "timeout_ms": 100}}, ensure_ascii=ascii_only)
+    pts = sorted({c % (len(arguments) + 1) for c in delta_cuts})
+    pieces = [arguments[a:b] for a, b in zip([0, *pts], [*pts, len(arguments)], strict=True)]
+    events = translate(VllmStream().start().call("fc_s", "cs", "shell", pieces).complete().body())
+    check_stream(events, REQUEST)
+    assert _commands_from_events(events) == commands
+    assert events[-1]["response"]["output"][0]["action"]["commands"] == commands
+
+
+def test_shell_commands_stream_before_the_call_completes() -> None:
+    args = {"action": {"commands": ["ls -la", "cat notes.txt"]}}
+    events = translate(VllmStream().start().call("fc_s", "cs", "shell", args_deltas(args, 12)).complete().body())
+    types = _types(events)
+    first_done = types.index("response.shell_call_command.done")
+    assert types.count("response.shell_call_command.delta") > 2  # live, in pieces
+    assert first_done < types.index("response.output_item.done")
+    assert _commands_from_events(events) == ["ls -la", "cat notes.txt"]

@@ -27,7 +27,7 @@ from gateway.protocol.ids import custom_call_item_id
 from gateway.translate.custom_input import InputDecoder
 
 __all__ = [
-    "BUILTIN_CALL_TYPES", "BUILTIN_OUTPUT_TYPES", "BUILTIN_TOOL_TYPES", "ITEM_ID_PREFIX", "PatchStream",
+    "BUILTIN_CALL_TYPES", "BUILTIN_OUTPUT_TYPES", "BUILTIN_TOOL_TYPES", "ITEM_ID_PREFIX", "PatchStream", "ShellStream",
     "builtin_arguments", "builtin_call_item", "builtin_function", "builtin_history", "builtin_tool_of", "opening_item",
     "v4a_problem",
 ]
@@ -250,6 +250,63 @@ class PatchStream:
     @property
     def streamed(self) -> str:
         return self.decoder.value if self.decoder is not None else ""
+
+
+class ShellStream:
+    """The commands of a ``shell`` call as its argument JSON arrives: ``("added", i, "")``, ``("delta", i, text)``
+    and ``("done", i, command)`` steps for each string of ``action.commands`` (OpenAI's
+    ``response.shell_call_command.*`` events). The head before the array is kept up to ``limit`` characters."""
+
+    __slots__ = ("_head", "decoder", "done", "index", "limit", "state")
+    _COMMANDS = re.compile(r'(?<!\\)"commands"\s*:\s*\[')
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._head = ""
+        self.state = "seek"  # seek | between | string | end | gave_up
+        self.decoder: InputDecoder | None = None
+        self.index = -1
+        self.done: list[str] = []  # the commands completed so far
+
+    def feed(self, delta: str) -> list[tuple[str, int, str]]:
+        if self.state == "seek":
+            self._head += delta
+            m = self._COMMANDS.search(self._head)
+            if m is None:
+                if len(self._head) > self.limit:
+                    self.state, self._head = "gave_up", ""
+                return []
+            delta, self._head, self.state = self._head[m.end():], "", "between"
+        out: list[tuple[str, int, str]] = []
+        i, n = 0, len(delta)
+        while i < n and self.state in ("between", "string"):
+            if self.state == "between":
+                ch = delta[i]
+                i += 1
+                if ch in " \t\r\n,":
+                    continue
+                if ch == '"':
+                    self.index += 1
+                    self.decoder = InputDecoder()
+                    self.decoder.mode = "value"
+                    self.state = "string"
+                    out.append(("added", self.index, ""))
+                else:  # "]" ends the array; anything else is not a list of strings
+                    self.state = "end" if ch == "]" else "gave_up"
+                continue
+            decoder = self.decoder
+            assert decoder is not None
+            pieces: list[str] = []
+            while i < n and decoder.mode != "done":  # a character at a time: where the string ends matters
+                pieces.append(decoder.feed(delta[i]))
+                i += 1
+            if "".join(pieces):
+                out.append(("delta", self.index, "".join(pieces)))
+            if decoder.mode == "done":
+                self.state = "between"
+                self.done.append(decoder.value)
+                out.append(("done", self.index, decoder.value))
+        return out
 
 
 # ----------------------------------------------------------------------------- history -> upstream items

@@ -14,7 +14,8 @@ sees (``_Item.kind``):
                  path are known, its diff streamed as ``response.apply_patch_call_operation_diff.delta`` events
                  (gateway.translate.builtin_tools);
 * ``builtin``    a ``shell`` / ``local_shell`` call, shown as a ``shell_call`` / ``local_shell_call`` completed with
-                 its action when its arguments are;
+                 its action when its arguments are; a shell call's commands stream as
+                 ``response.shell_call_command.added/.delta/.done`` events as they are written;
 * ``pending``    a call whose name has not arrived: its frames are held (at most
                  ``max_unnamed_call_bytes`` per response) until the name arrives, then released in order;
 * ``suppressed`` a call after the first one when ``parallel_tool_calls`` is false: nothing is emitted;
@@ -53,7 +54,13 @@ import orjson
 from gateway.protocol.events import ClientEvent, UpstreamEvent
 from gateway.protocol.ids import IdFactory
 from gateway.translate.accumulator import ResponseAccumulator, UpstreamItem
-from gateway.translate.builtin_tools import BUILTIN_TOOL_TYPES, PatchStream, builtin_call_item, opening_item
+from gateway.translate.builtin_tools import (
+    BUILTIN_TOOL_TYPES,
+    PatchStream,
+    ShellStream,
+    builtin_call_item,
+    opening_item,
+)
 from gateway.translate.custom_input import InputDecoder, final_input
 from gateway.translate.mcp_items import approval_request_item, approval_required, mcp_call_item
 from gateway.translate.restore import RequestState, client_call_item, restore_response
@@ -63,6 +70,10 @@ from gateway.translate.usage import add_usage
 __all__ = ["FunctionSseTranslator", "TranslatorStats"]
 
 _LIFECYCLE_START = frozenset({"response.created", "response.in_progress", "response.queued"})
+# ShellStream steps -> OpenAI's shell command events and the field that carries the text.
+_SHELL_EVENTS = {"added": ("response.shell_call_command.added", "command"),
+                 "delta": ("response.shell_call_command.delta", "delta"),
+                 "done": ("response.shell_call_command.done", "command")}
 _TERMINAL = {"completed": "response.completed", "incomplete": "response.incomplete", "failed": "response.failed"}
 
 @dataclass(slots=True)
@@ -88,6 +99,7 @@ class _Item:
     held: list[tuple[str, dict[str, Any], str]] = field(default_factory=list)
     decoder: InputDecoder | None = None
     patch: PatchStream | None = None
+    shell: ShellStream | None = None
     emitted: list[str] = field(default_factory=list)
     input_done: str | None = None
     args_done_sent: bool = False
@@ -372,6 +384,8 @@ class FunctionSseTranslator:
             st.patch = PatchStream(self.state.max_unnamed_call_bytes)
             return []
         st.kind = "builtin"
+        if st.info.kind == "shell":  # its commands stream as response.shell_call_command.* events
+            st.shell = ShellStream(self.state.max_unnamed_call_bytes)
         item = opening_item(st.info.kind, base)
         st.item_id = item["id"]
         self._assign(st)
@@ -418,6 +432,33 @@ class FunctionSseTranslator:
         st.final = final
         out.append(self._emit("response.output_item.done", {"output_index": st.client_index, "item": final}))
         return out
+
+    def _shell_steps(self, st: _Item, steps: list[tuple[str, int, str]]) -> list[ClientEvent]:
+        out: list[ClientEvent] = []
+        for step, index, text in steps:
+            etype, key = _SHELL_EVENTS[step]
+            # item_id is not in the SDK's model of these events (extra fields are allowed): every other sub-event
+            # names its item, and the stream invariants hold for these too.
+            out.append(self._emit(etype, {"item_id": st.item_id, "output_index": st.client_index,
+                                          "command_index": index, key: text}))
+        return out
+
+    def _close_shell(self, st: _Item, commands: list[str]) -> list[ClientEvent]:
+        """The commands the stream did not finish, from the complete action (catch-up deltas as for diffs)."""
+        shell = st.shell
+        assert shell is not None
+        steps: list[tuple[str, int, str]] = []
+        for index, command in enumerate(commands):
+            if index < len(shell.done):
+                continue
+            sent = shell.decoder.value if index == shell.index and shell.decoder is not None else ""
+            if index > shell.index:
+                steps.append(("added", index, ""))
+            if command.startswith(sent) and command[len(sent):]:
+                steps.append(("delta", index, command[len(sent):]))
+            steps.append(("done", index, command))
+        st.shell = None
+        return self._shell_steps(st, steps)
 
     # ------------------------------------------------------------------ gateway-owned calls (MCP)
 
@@ -615,8 +656,12 @@ class FunctionSseTranslator:
             if etype == "response.function_call_arguments.done":
                 return self._custom_done(st, str(d.get("arguments", "")))
             return []  # nothing else belongs to a custom call
-        if kind == "suppressed" or kind == "builtin":
-            return []  # a shell call's action is shown when complete
+        if kind == "builtin":
+            if st.shell is not None and etype == "response.function_call_arguments.delta":
+                return self._shell_steps(st, st.shell.feed(str(d.get("delta", ""))))
+            return []  # the rest of a shell call's action is shown when complete
+        if kind == "suppressed":
+            return []
         if kind == "patch":
             return self._patch_delta(st, str(d.get("delta", ""))) \
                 if etype == "response.function_call_arguments.delta" else []
@@ -785,6 +830,8 @@ class FunctionSseTranslator:
         elif st.kind == "builtin":
             assert st.info is not None
             final = builtin_call_item(st.info.kind, {**up.item, "status": status}, up.arguments)
+            if st.shell is not None:
+                out += self._close_shell(st, final["action"]["commands"])
         elif st.kind == "function":
             out += self._args_done(st)
             final = client_call_item({**up.item, "name": up.name, "arguments": up.arguments}, st.info)
