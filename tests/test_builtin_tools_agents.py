@@ -151,7 +151,10 @@ def js_clients() -> Path:
     return JS
 
 
-def test_ai_sdk_apply_patch_and_shell_in_a_streamed_tool_loop(js_clients: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["stream", "generate"])
+def test_ai_sdk_apply_patch_and_shell_in_a_tool_loop(js_clients: Path, tmp_path: Path, mode: str,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AI_SDK_MODE", mode)  # streamText, or generateText (non-streamed responses)
     def answer(body: dict[str, Any], resp: ScriptedVllm) -> None:
         step = _outputs(body)
         if step < len(AI_SDK_SCRIPT):
@@ -171,10 +174,11 @@ def test_ai_sdk_apply_patch_and_shell_in_a_streamed_tool_loop(js_clients: Path, 
     assert [c["toolName"] for c in seen["toolCalls"]] == ["apply_patch", "shell"], seen
     assert not any(c["invalid"] for c in seen["toolCalls"]), seen
     assert seen["toolCalls"][0]["itemId"].startswith("apc_") and seen["toolCalls"][1]["itemId"].startswith("sh_")
-    # the AI SDK rebuilt the apply_patch input from the streamed diff deltas
-    assert json.loads("".join(seen["inputDeltas"]))["operation"] == CREATE["operation"], seen
+    if mode == "stream":  # the AI SDK rebuilt the apply_patch input from the streamed diff deltas
+        assert json.loads("".join(seen["inputDeltas"]))["operation"] == CREATE["operation"], seen
     assert seen["text"] == "Done." and seen["finishReason"] == "stop", seen
-    assert all(r["status"] == 200 for r in seen["requests"]), seen
+    assert all(r["status"] == 200 for r in seen["requests"]) and len(seen["requests"]) == 3, seen
+    assert all(bool(r.get("stream")) is (mode == "stream") for r in upstream.requests)
     assert "apply_patch_call_output" in seen["requests"][1]["inputTypes"], seen
     assert "shell_call_output" in seen["requests"][2]["inputTypes"], seen
     # vLLM got both calls back with their outputs as function calls

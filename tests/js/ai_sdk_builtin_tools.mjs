@@ -1,8 +1,9 @@
-// Vercel AI SDK: openai.tools.applyPatch and openai.tools.shell (client-executed built-in tools) in a streamed
-// multi-step loop: the model creates a file, then runs a command, then answers. Store left on (its default), so
-// later steps send earlier calls back as item_reference items.
+// Vercel AI SDK: openai.tools.applyPatch and openai.tools.shell (client-executed built-in tools) in a multi-step
+// loop: the model creates a file, then runs a command, then answers. Store left on (its default), so later steps
+// send earlier calls back as item_reference items. Streamed (streamText) by default; AI_SDK_MODE=generate
+// runs the same loop with generateText.
 import { createOpenAI } from "@ai-sdk/openai";
-import { stepCountIs, streamText } from "ai";
+import { generateText, stepCountIs, streamText } from "ai";
 
 import { baseURL, describeError, recordingFetch, requestSummary, scenario } from "./common.mjs";
 
@@ -14,7 +15,8 @@ await scenario(async (observed) => {
   observed.inputDeltas = [];
   observed.toolCalls = [];
   observed.errors = [];
-  const result = streamText({
+  const run = process.env.AI_SDK_MODE === "generate" ? generateText : streamText;
+  const result = await run({
     model: openai.responses("tiny"),
     prompt: "Create hello.txt, then show it.",
     tools: {
@@ -34,7 +36,8 @@ await scenario(async (observed) => {
     stopWhen: stepCountIs(3),
     maxRetries: 0,
   });
-  for await (const part of result.fullStream) {
+  const parts = result.fullStream ?? result.steps.flatMap((step) => step.content.map((p) => ({ ...p })));
+  for await (const part of parts) {
     if (part.type === "tool-input-delta") observed.inputDeltas.push(part.delta);
     if (part.type === "tool-call") {
       observed.toolCalls.push({ toolName: part.toolName, input: part.input, invalid: part.invalid ?? false,
