@@ -432,3 +432,39 @@ def test_shell_commands_stream_before_the_call_completes() -> None:
     assert types.count("response.shell_call_command.delta") > 2  # live, in pieces
     assert first_done < types.index("response.output_item.done")
     assert _commands_from_events(events) == ["ls -la", "cat notes.txt"]
+
+
+# --- abuse ----------------------------------------------------------------------------------------------------
+
+
+def test_a_patch_padded_past_the_bound_is_not_buffered_and_still_completes() -> None:
+    """Whitespace before the diff (strict decoding allows it) past --max-unnamed-call-bytes: the head is dropped,
+    nothing is held beyond the bound, and the call is shown complete from the upstream's final arguments."""
+    padded = '{"operation": {"type": "create_file",' + " " * 300_000 + '"path": "a", "diff": "+x\\n"}}'
+    pieces = [padded[k:k + 4096] for k in range(0, len(padded), 4096)]
+    state = build_request_state(REQUEST, resolve_tool_context(REQUEST), response_id="r", created_at=1)
+    tr = FunctionSseTranslator(state, ids=new_id)
+    s = VllmStream().start().call("fc_p", "cp", "apply_patch", pieces).complete()
+    out: list[ClientEvent] = []
+    parser = SseParser()
+    for event, data in parser.feed(s.body()):
+        out += tr.feed(UpstreamEvent(event, data))
+    events = sse_events(encode_events(out))
+    check_stream(events, REQUEST)
+    [patch_state] = [i for i in tr._order if i.patch is not None]
+    assert patch_state.patch is not None and patch_state.patch.gave_up and patch_state.patch._head == ""
+    deltas = [e for e in events if e["type"] == "response.apply_patch_call_operation_diff.delta"]
+    assert [d["delta"] for d in deltas] == ["+x\n"]  # one catch-up delta at the end
+    assert events[-1]["response"]["output"][0]["operation"] == {"type": "create_file", "path": "a", "diff": "+x\n"}
+    assert tr.stats.builtin_calls == 1
+
+
+def test_builtin_calls_are_counted_under_their_own_metric_kind() -> None:
+    from gateway.engine.record import RequestRecord
+    from gateway.server.metrics import GatewayMetrics
+
+    metrics = GatewayMetrics()
+    record = RequestRecord(request_id="r", route="/v1/responses", status=200)
+    record.tool_calls = {"custom": 0, "function": 0, "builtin": 2}
+    metrics.observe(record)
+    assert 'responses_gateway_tool_calls_total{kind="builtin"} 2.0' in metrics.render().decode()
