@@ -468,3 +468,17 @@ def test_builtin_calls_are_counted_under_their_own_metric_kind() -> None:
     record.tool_calls = {"custom": 0, "function": 0, "builtin": 2}
     metrics.observe(record)
     assert 'responses_gateway_tool_calls_total{kind="builtin"} 2.0' in metrics.render().decode()
+
+
+def test_a_call_whose_arguments_were_cut_off_is_never_completed() -> None:
+    """vLLM stopped at the token limit inside the arguments: the client must not run half a command or patch."""
+    shell_cut = '{"action": {"commands": ["rm -rf /tmp/x'
+    patch_cut = '{"operation": {"type": "update_file", "path": "a", "diff": "@@\\n-a'
+    s = (VllmStream().start().call("fc_s", "cs", "shell", [shell_cut])
+         .call("fc_p", "cp", "apply_patch", [patch_cut]).complete("incomplete"))
+    events = translate(s.body())
+    check_stream(events, REQUEST)
+    shell, patch = events[-1]["response"]["output"]
+    assert shell["status"] == "incomplete" and patch["status"] == "in_progress"
+    ctx = resolve_tool_context({**REQUEST, "tool_choice": {"type": "shell"}})
+    assert "cut off" in str(check_pinned_output([shell], ctx).reason)

@@ -266,6 +266,8 @@ def check_call(item: Mapping[str, Any], ctx: ResolvedToolContext) -> tuple[ToolI
         info = next((i for i in ctx.callable_tools if i.kind == builtin), None)
         if info is None:
             return None, CallCheck(False, f"'{builtin}' is not a declared tool")
+        if item.get("status") not in (None, "completed"):
+            return info, CallCheck(False, f"the {builtin} call was cut off before its arguments were complete")
         return info, check_arguments(info, builtin_arguments(item))
     info = ctx.find(str(item.get("name")), item.get("namespace"))
     if info is None:

@@ -121,12 +121,13 @@ def builtin_function(tool_type: str, *, strict: bool) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- upstream call -> client item
 
 
-def _args(arguments: str) -> dict[str, Any]:
+def _args(arguments: str) -> dict[str, Any] | None:
+    """The arguments object; None when they are not one (cut off at the token limit, or not JSON)."""
     try:
         parsed = orjson.loads(arguments)
     except orjson.JSONDecodeError:
-        return {}
-    return parsed if isinstance(parsed, dict) else {}
+        return None
+    return parsed if isinstance(parsed, dict) else None
 
 
 def _operation(args: Mapping[str, Any]) -> dict[str, Any]:
@@ -182,8 +183,11 @@ def builtin_call_item(tool_type: str, item: Mapping[str, Any], arguments: str | 
     """The client's item for an upstream function call of a built-in tool, from its complete arguments."""
     item_type = BUILTIN_CALL_TYPES[tool_type]
     args = _args(arguments if arguments is not None else str(item.get("arguments") or ""))
+    # Arguments that do not parse were cut off: never "completed", so no client runs half a command or patch.
+    status = item.get("status") if args is not None else "incomplete"
+    args = args or {}
     out: dict[str, Any] = {"id": item_id(item_type, item.get("id"), item.get("call_id")), "type": item_type,
-                           "call_id": item.get("call_id"), "status": _status(item_type, item.get("status"))}
+                           "call_id": item.get("call_id"), "status": _status(item_type, status)}
     if tool_type == "apply_patch":
         out["operation"] = _operation(args)
     else:
