@@ -185,3 +185,22 @@ def test_ai_sdk_apply_patch_and_shell_in_a_tool_loop(js_clients: Path, tmp_path:
     last = upstream.requests[-1]["input"]
     assert [i["name"] for i in last if i.get("type") == "function_call"] == ["apply_patch", "shell"], last
     assert sum(1 for i in last if i.get("type") == "function_call_output") == 2, last
+
+
+def test_openai_python_stream_helper_accumulates_the_builtin_calls() -> None:
+    def answer(body: dict[str, Any], resp: ScriptedVllm) -> None:
+        resp.call("fc_1", "call_1", "apply_patch", args_deltas(CREATE, 5))
+        resp.call("fc_2", "call_2", "shell", args_deltas({"action": {"commands": ["ls", "pwd"]}}, 5))
+
+    upstream = Upstream(answer)
+    with running_gateway(transport=upstream.transport) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        with client.responses.stream(model="tiny", input="go", tools=[
+                {"type": "apply_patch"}, {"type": "shell", "environment": {"type": "local"}}]) as stream:
+            types = {e.type for e in stream}
+            final = stream.get_final_response()
+    assert {"response.apply_patch_call_operation_diff.delta", "response.shell_call_command.done"} <= types
+    patch, shell = final.output
+    assert patch.type == "apply_patch_call" and patch.operation.type == "create_file"
+    assert patch.operation.diff == CREATE["operation"]["diff"]  # type: ignore[union-attr]
+    assert shell.type == "shell_call" and shell.action.commands == ["ls", "pwd"]
