@@ -50,6 +50,8 @@ TARGETS = {
     "c64_ttfb_vs_peer": 1.5,            # <=, TTFB p50 at 64 streams against agentic-api's
     "peak_rss_mb": 60.0,                # <=, gateway at 200 concurrent streams
     "cpu_per_1k_vs_peer": 2.5,          # <=, gateway CPU seconds per 1000 responses against agentic-api's
+    "grammar_cpu_vs_floor": 1.5,        # <=, issue 18: CPU per grammar-tool response against the floor's
+    "grammar_added_ttfb_ms": 0.3,       # <=, issue 18: added TTFB p50 at one stream, over the floor's added TTFB
 }
 
 # Codex's apply_patch grammar (codex-rs, tools/handlers/apply_patch.lark): what Codex sends as the format
@@ -251,6 +253,10 @@ class FakeUpstream:
     """
 
     def __init__(self) -> None:
+        # GET /version: vLLM 0.32 by default, so the gateway enforces the grammar tool in the request itself
+        # (issue 18); --upstream-version none answers {} (an upstream it cannot tell: the takeover, 2 requests).
+        version = os.environ.get("BENCH_UPSTREAM_VERSION", "0.32.0")
+        self.version = b"{}" if version == "none" else orjson.dumps({"version": version})
         self.deltas = 24
         self.delay = 0.0
         self.pacing = "step"
@@ -373,6 +379,8 @@ class _UpstreamConn(asyncio.Protocol):
                 self._reply(srv.workload(srv.deltas).chat_json)
         elif method == "POST" and path.endswith("/responses"):
             self._stream("responses")
+        elif path == "/version":
+            self._reply(srv.version)
         elif path.endswith("/models"):
             self._reply(b'{"object":"list","data":[{"id":"tiny","object":"model","owned_by":"vllm"}]}')
         else:
@@ -802,6 +810,37 @@ class Bench:
                 r["added_ttfb_p99_ms"] = round(r["ttfb_p99_ms"] - out["direct"]["ttfb_p99_ms"], 3)
         self.results["ttfb_single"] = out
 
+    # -- issue 18's workload: default flags, a Lark custom tool, short and long responses, beside the floor
+
+    async def grammar(self) -> None:
+        a = self.args
+        out: dict[str, Any] = {"requests": a.requests, "delay_ms": a.ttfb_delay_ms}
+        for deltas in (24, 200):
+            await self.set_mode(deltas, a.ttfb_delay_ms)
+            per: dict[str, Any] = {}
+            out[str(deltas)] = per
+            for t in self.targets:
+                conn = await connect(t.port)
+                for _ in range(a.warmup):
+                    await self.one(conn, t)
+                stats0 = await self._upstream_call("/_bench/stats")
+                cpu0, _ = t.cpu()
+                ttfbs = []
+                for _ in range(a.requests):
+                    ttfbs.append((await self.one(conn, t)).ttfb)
+                cpu1, _ = t.cpu()
+                stats1 = await self._upstream_call("/_bench/stats")
+                self._close(conn)
+                generation = sum(v - stats0["requests"].get(k, 0) for k, v in stats1["requests"].items()
+                                 if k.endswith(("/responses", "/chat/completions")))
+                r = per[t.name] = {"ttfb_p50_ms": ms(pct(ttfbs, 50)),
+                                   "upstream_requests_per_response": round(generation / a.requests, 3),
+                                   "upstream_connections_opened": stats1["connections"] - stats0["connections"] - 1}
+                if t.pid is not None:
+                    r["cpu_ms_per_response"] = round((cpu1 - cpu0) / a.requests * 1000, 3)
+                    r["added_ttfb_p50_ms"] = round(r["ttfb_p50_ms"] - per["direct"]["ttfb_p50_ms"], 3)
+        self.results["grammar"] = out
+
     # -- TTFB with 64 streams open at once
 
     async def ttfb_concurrent(self) -> None:
@@ -1000,6 +1039,36 @@ def evaluate(r: dict[str, Any]) -> list[Row]:
                      *cols("ttfb_single", "cpu_ms_per_request", ".2f", False), "-", "-", "info"))
         rows.append((f"upstream connections opened, {t['requests']} sequential",
                      *cols("ttfb_single", "upstream_connections_opened", ".0f", False), "-", "-", "info"))
+    for deltas, per in (r.get("grammar") or {}).items():
+        if not isinstance(per, dict):
+            continue
+
+        def g(name: str, key: str, per: dict[str, Any] = per) -> float | None:
+            v = per.get(name, {}).get(key)
+            return float(v) if isinstance(v, int | float) else None
+
+        def four(key: str, spec: str, direct: bool = True) -> tuple[str, str, str, str]:
+            return (fmt(g("direct", key), spec) if direct else "-",
+                    *(fmt(g(n, key), spec) for n in ("gateway", "floor", "agentic")))  # type: ignore[return-value]
+
+        gw, fl = g("gateway", "cpu_ms_per_response"), g("floor", "cpu_ms_per_response")
+        ratio = gw / fl if gw is not None and fl else None
+        rows.append((f"grammar tool, {deltas} deltas: CPU ms/response", *four("cpu_ms_per_response", ".2f", False),
+                     f"x{ratio:.2f} floor" if ratio else "-", f"<= {T['grammar_cpu_vs_floor']:g}x floor",
+                     verdict(None if ratio is None else ratio <= T["grammar_cpu_vs_floor"])))
+        gw, fl = g("gateway", "added_ttfb_p50_ms"), g("floor", "added_ttfb_p50_ms")
+        ok = None if gw is None or fl is None else gw <= fl + T["grammar_added_ttfb_ms"]
+        rows.append((f"grammar tool, {deltas} deltas: TTFB p50 (ms)", *four("ttfb_p50_ms", ".3f"),
+                     f"+{gw:.3f} (floor +{fl:.3f})" if gw is not None and fl is not None else "-",
+                     f"added <= floor's + {T['grammar_added_ttfb_ms']:g}", verdict(ok)))
+        rows.append((f"grammar tool, {deltas} deltas: upstream requests/response",
+                     *four("upstream_requests_per_response", ".2f", False), "-", "1 (one request)",
+                     verdict(None if g("gateway", "upstream_requests_per_response") is None else
+                             g("gateway", "upstream_requests_per_response") == 1.0)))
+        rows.append((f"grammar tool, {deltas} deltas: upstream connections opened",
+                     *four("upstream_connections_opened", ".0f", False), "-", "<= 8", verdict(
+                         None if g("gateway", "upstream_connections_opened") is None else
+                         (g("gateway", "upstream_connections_opened") or 0) <= 8)))
     if "ttfb_concurrent" in r:
         c = r["ttfb_concurrent"]["streams"]
         g, p = (get("ttfb_concurrent", n, "ttfb_p50_ms") for n in ("gateway", "agentic"))
@@ -1059,8 +1128,9 @@ def find_peer(path: str | None) -> str | None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="short run (fewer requests, shorter streams)")
-    p.add_argument("--phases", default="ttfb,concurrent,rss,throughput",
-                   help="comma-separated subset of: ttfb, concurrent, rss, throughput (in this order by default: the "
+    p.add_argument("--phases", default="ttfb,grammar,concurrent,rss,throughput",
+                   help="comma-separated subset of: ttfb, grammar (issue 18: a Lark custom tool, 24 and 200 deltas, "
+                        "beside the floor), concurrent, rss, throughput (in this order by default: the "
                         "long throughput stream runs last so that its allocations do not inflate the RSS phase)")
     p.add_argument("--pacing", default="step", choices=("step", "whole"),
                    help="how the fake upstream writes an unpaced stream: step (default: one frame per TCP segment, "
@@ -1096,6 +1166,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--attach", default="",
                    help="command started once the gateway is up ({pid}: the gateway's pid) and stopped with SIGINT "
                         "after the phases, e.g. 'py-spy record --pid {pid} -r 500 -f speedscope -o prof.json'")
+    p.add_argument("--upstream-version", default="0.32.0",
+                   help="what the fake upstream's GET /version says: a vLLM version (0.32.0: the gateway enforces "
+                        "a grammar tool in one request) or 'none' (answers {}: the takeover, as before issue 18)")
     p.add_argument("--json", type=Path, default=RESULTS, help="where to write the results")
     p.add_argument("--_upstream", type=int, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -1125,7 +1198,7 @@ def main(argv: list[str] | None = None) -> int:
 
     up_port, gw_port, peer_port, floor_port = free_port(), free_port(), free_port(), free_port()
     upstream = gateway = agentic = floor = attached = None
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", BENCH_UPSTREAM_VERSION=a.upstream_version)
     tmp = Path(tempfile.mkdtemp(prefix="gateway-bench-"))
     logs = a.json.parent
     logs.mkdir(parents=True, exist_ok=True)
@@ -1189,8 +1262,8 @@ def main(argv: list[str] | None = None) -> int:
 
         async def run() -> None:
             bench.results["translation_check"] = await bench.check_translation()
-            steps = {"ttfb": "ttfb_single", "concurrent": "ttfb_concurrent", "throughput": "throughput",
-                     "rss": "rss"}
+            steps = {"ttfb": "ttfb_single", "grammar": "grammar", "concurrent": "ttfb_concurrent",
+                     "throughput": "throughput", "rss": "rss"}
             for name in phases:
                 t0 = time.perf_counter()
                 print(f"[bench] {name} ...", file=sys.stderr, flush=True)

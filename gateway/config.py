@@ -69,6 +69,10 @@ OPTIONS: tuple[Option, ...] = (
            "Which upstream API to call.", choices=("responses", "chat")),
     Option("tool_choice_enforcement", "--tool-choice-enforcement", "GATEWAY_TOOL_CHOICE_ENFORCEMENT", str,
            "How tool_choice and custom-tool grammars are enforced.", choices=("off", "validate", "constrain")),
+    Option("tool_call_parser", "--tool-call-parser", "GATEWAY_TOOL_CALL_PARSER", str,
+           "vLLM's --tool-call-parser (hermes, qwen3_coder, qwen3_xml): grammar custom tools under auto are then "
+           "constrained by a structural tag in the request itself; auto: vLLM's strict-tool pattern where the "
+           "grammar is regular, else the takeover.", choices=("auto", "hermes", "qwen3_coder", "qwen3_xml")),
     Option("max_body_bytes", "--max-body-bytes", "GATEWAY_MAX_BODY_BYTES", int, "Largest request body (413)."),
     Option("max_concurrency", "--max-concurrency", "GATEWAY_MAX_CONCURRENCY", int,
            "Concurrent requests (streams until they end) before 429; probes and metrics not counted."),
@@ -143,6 +147,7 @@ class Settings:
     owner_secret: str | None = field(default=None, repr=False)
     upstream_api: UpstreamApi = "responses"
     tool_choice_enforcement: Enforcement = "constrain"
+    tool_call_parser: str = "auto"
     max_body_bytes: int = 32 * 1024 * 1024
     max_concurrency: int = 256
     stream_idle_timeout: float = 300.0

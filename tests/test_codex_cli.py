@@ -6,12 +6,13 @@ the npm package ships its native binary in an optional per-platform package) is 
 for ``tiny`` whose ``apply_patch_tool_type`` is ``freeform``, so Codex sends ``apply_patch`` as a ``custom`` tool
 with its Lark grammar, as it does for OpenAI's models.
 
-The gateway runs with its defaults (``tool_choice_enforcement = constrain``): the upstream opens an
-``apply_patch`` call, the gateway takes it over with a grammar-constrained ``/v1/chat/completions`` step
-(README "Grammar custom tools under auto") and streams that step's content as the custom call's input.
+The gateway runs with its defaults (``tool_choice_enforcement = constrain``, ``tool_call_parser = auto``) in front
+of an upstream that says it is vLLM 0.32 (``GET /version``): Codex's ``apply_patch`` grammar is regular, so the
+gateway sends the tool ``strict`` with its grammar as the ``input`` pattern and vLLM constrains the call in the
+one request (README "Grammar custom tools under auto"): one upstream request per turn, no takeover step.
 The scripted upstream is a real loopback server; its /v1/responses streams are SYNTHESIZED in vLLM 0.32's
-framing (``tests/vllm_frames.py``) and its chat stream in vLLM 0.32's chunk framing
-(``cassettes/vllm/chat_structured_grammar_stream.yaml``). Neither is a recording of a real vLLM.
+framing (``tests/vllm_frames.py``); its chat route (the takeover's step, unused here) answers in vLLM 0.32's chunk
+framing (``cassettes/vllm/chat_structured_grammar_stream.yaml``). Neither is a recording of a real vLLM.
 
 ``node`` and ``npm`` are required: without them this test fails rather than skips, so CI runs it.
 """
@@ -33,6 +34,7 @@ from starlette.routing import Route
 from structlog.testing import capture_logs
 
 from gateway.config import Settings
+from gateway.translate.grammar_convert import to_json_pattern
 from tests.support import npm_packages, running_gateway, serve_in_thread
 from tests.vllm_frames import VllmStream, _dumps, args_deltas
 
@@ -86,8 +88,8 @@ def _has_tool_output(body: dict[str, Any]) -> bool:
 
 
 class CodexUpstream:
-    """Turn 1: an apply_patch call (the gateway sent it as a function taking {"input": ...}); the constrained
-    chat step answers with the patch. Turn 2 (the patch's output in the input): a text message."""
+    """Turn 1: an apply_patch call (the gateway sent it as a strict function taking {"input": ...} with the grammar
+    as its pattern). Turn 2 (the patch's output in the input): a text message."""
 
     def __init__(self) -> None:
         self.requests: list[tuple[str, dict[str, Any]]] = []
@@ -113,9 +115,13 @@ class CodexUpstream:
         async def models(request: Request) -> Response:
             return JSONResponse({"object": "list", "data": [{"id": "tiny", "object": "model"}]})
 
+        async def version(request: Request) -> Response:
+            return JSONResponse({"version": "0.32.0"})
+
         return Starlette(routes=[Route("/v1/responses", responses, methods=["POST"]),
                                  Route("/v1/chat/completions", chat, methods=["POST"]),
-                                 Route("/v1/models", models, methods=["GET"])])
+                                 Route("/v1/models", models, methods=["GET"]),
+                                 Route("/version", version, methods=["GET"])])
 
 
 # --- Codex's configuration --------------------------------------------------------------------------------------------
@@ -217,14 +223,14 @@ def test_codex_exec_applies_a_patch_over_the_websocket(codex: str, tmp_path: Pat
     assert all(e["status"] == 200 for e in access), access
     # what Codex sent: apply_patch as a custom grammar tool, which the upstream saw as a function taking {"input"}
     paths = [p for p, _ in upstream.requests]
-    assert paths == ["/v1/responses", "/v1/chat/completions", "/v1/responses"], paths
-    first, chat, second = (body for _, body in upstream.requests)
+    assert paths == ["/v1/responses", "/v1/responses"], paths  # one request per turn: no takeover step
+    first, second = (body for _, body in upstream.requests)
     [tool] = [t for t in first["tools"] if t.get("name") == "apply_patch"]
     assert tool["type"] == "function" and tool["parameters"]["required"] == ["input"], tool
     assert "Lark grammar" in tool["description"], tool
-    grammar = chat["structured_outputs"]["grammar"]  # the constrained step got Codex's own grammar
-    assert grammar.startswith("start: begin_patch hunk+ end_patch") and grammar in tool["description"], grammar
-    assert chat["stream"] is True
+    grammar = tool["description"][tool["description"].index("start: begin_patch"):]  # Codex's own grammar
+    assert tool["strict"] is True and "structured_outputs" not in first
+    assert tool["parameters"]["properties"]["input"]["pattern"] == to_json_pattern("lark", grammar), tool
     # Codex (0.171) warms up with generate: false, then chains each turn with previous_response_id and store:
     # false, sending only the new items: the gateway's per-connection cache rebuilt the whole conversation
     history = second["input"]
@@ -235,3 +241,4 @@ def test_codex_exec_applies_a_patch_over_the_websocket(codex: str, tmp_path: Pat
     [call] = [i for i in second["input"] if i.get("type") == "function_call"]
     assert call["name"] == "apply_patch" and json.loads(call["arguments"]) == {"input": PATCH}, call
     assert 'outcome="constrained"} 1.0' in metrics
+    assert 'responses_gateway_grammar_enforcement_total{route="strict_pattern"}' in metrics

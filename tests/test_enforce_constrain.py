@@ -144,8 +144,10 @@ def test_openai_sdk_strict_stream_accepts_constrained_calls() -> None:
 
 
 def test_auto_grammar_call_is_taken_over_live_under_the_grammar() -> None:
-    """auto + a grammar custom tool: the upstream's own input would not parse; the gateway takes the call over
-    when it opens, closes the upstream stream and streams a grammar-constrained input into the same item."""
+    """auto + a grammar custom tool on an upstream that cannot constrain it in one request (this replay answers
+    ``GET /version`` 404; vLLM 0.32 takes the one-request route: tests/test_grammar_onerequest.py): the upstream's
+    own input would not parse; the gateway takes the call over when it opens, closes the upstream stream and
+    streams a grammar-constrained input into the same item."""
     request = {**client_request("enforce_custom_lark_stream"), "tool_choice": "auto", "stream": True}
     grammar = request["tools"][0]["format"]["definition"]
     stream = VllmStream().start()
@@ -166,8 +168,8 @@ def test_auto_grammar_call_is_taken_over_live_under_the_grammar() -> None:
     lark.Lark(grammar, parser="earley").parse(call["input"])
     assert summary["custom_inputs"] == [call["input"]]
     paths = [q["path"] for q in transport.requests]
-    assert paths == ["/v1/responses", "/v1/chat/completions"]
-    assert transport.requests[1]["body"] == recorded.interactions[0].request_body
+    assert paths == ["/version", "/v1/responses", "/v1/chat/completions"]
+    assert transport.requests[2]["body"] == recorded.interactions[0].request_body
     # the upstream's invalid input never reached the client
     assert "not a patch" not in r.text
 
@@ -213,6 +215,8 @@ def test_non_streamed_auto_grammar_call_is_regenerated() -> None:
     paths: list[str] = []
 
     def handler(req: httpx.Request) -> httpx.Response:
+        if req.url.path == "/version":  # not a vLLM that constrains grammar calls in one request: the old route
+            return httpx.Response(404, json={"detail": "Not Found"})
         paths.append(req.url.path)
         return answers[len(paths) - 1]
 

@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from gateway.translate.builtin_tools import builtin_arguments, builtin_tool_of, v4a_problem
+from gateway.translate.lark_rewrite import foreign_import
+from gateway.translate.lark_rewrite import rewrite_zero_width as _rewrite_zero_width
 from gateway.translate.tool_context import ResolvedToolContext, ToolInfo
 
 if TYPE_CHECKING:
@@ -37,12 +39,6 @@ if TYPE_CHECKING:
 
 __all__ = ["CallCheck", "LarkChecker", "OutputCheck", "check_call", "check_input", "check_pinned_output",
            "load_lark"]
-
-# A Lark regex literal: /.../flags, with escaped slashes inside.
-_LARK_REGEX = re.compile(r"/((?:\\.|[^/\\\n])+)/([imslux]*)")
-# One atom followed by `*`: a class, an escape, `.`, or a group without nested groups.
-_STAR_ATOM = re.compile(r"^(\[(?:\\.|[^\]\\])+\]|\\.|\.|\((?:\\.|[^()\\])*\)|[^\\()\[\]*+?{}|])\*$")
-
 
 @dataclass(frozen=True, slots=True)
 class LarkChecker:
@@ -95,55 +91,6 @@ def _earley(grammar: str) -> lark.Lark | None:
         return None
 
 
-def _non_empty(pattern: str) -> str | None:
-    """``X*`` (or ``(X*)``) -> ``X+``: the same language less the empty string; None if not of that shape."""
-    inner = pattern
-    while inner.startswith("(") and inner.endswith(")") and _balanced(inner[1:-1]):
-        inner = inner[1:-1]
-        if inner.startswith("?:"):
-            inner = inner[2:]
-    m = _STAR_ATOM.match(inner)
-    return m.group(1) + "+" if m else None
-
-
-def _balanced(s: str) -> bool:
-    depth = 0
-    escaped = False
-    for ch in s:
-        if escaped:
-            escaped = False
-        elif ch == "\\":
-            escaped = True
-        elif ch == "(":
-            depth += 1
-        elif ch == ")":
-            depth -= 1
-            if depth < 0:
-                return False
-    return depth == 0
-
-
-def _rewrite_zero_width(grammar: str) -> str:
-    out_lines = []
-    for line in grammar.splitlines(keepends=True):
-        head = line.split(":", 1)[0].strip().lstrip("?!")
-        is_terminal_def = ":" in line and head.isupper()
-
-        def fix(m: re.Match[str], is_terminal_def: bool = is_terminal_def) -> str:
-            pattern, flags = m.group(1), m.group(2)
-            try:
-                empty = re.fullmatch(pattern.replace("\\/", "/"), "") is not None
-            except re.error:
-                return m.group(0)
-            if not empty or is_terminal_def:
-                return m.group(0)
-            plus = _non_empty(pattern)
-            return f"/{plus}/{flags}?" if plus else m.group(0)
-
-        out_lines.append(_LARK_REGEX.sub(fix, line))
-    return "".join(out_lines)
-
-
 def _load(grammar: str) -> lark.Lark:
     """LALR if the grammar is LALR(1) for lark, else Earley (whose error, if it fails too, is raised)."""
     import lark
@@ -154,17 +101,11 @@ def _load(grammar: str) -> lark.Lark:
         return lark.Lark(grammar, parser="earley")
 
 
-# Lark's own grammar library; any other %import would make lark open files on the gateway's disk.
-_LARK_IMPORTS = re.compile(r"^\s*%import\s+([A-Za-z_][\w.]*)", re.MULTILINE)
-_STDLIB_GRAMMARS = frozenset({"common", "lark", "python", "unicode"})
-
-
 @functools.lru_cache(maxsize=64)
 def load_lark(definition: str) -> LarkChecker:
-    foreign = [m for m in _LARK_IMPORTS.findall(definition) if m.split(".", 1)[0] not in _STDLIB_GRAMMARS]
-    if foreign:
-        return LarkChecker(None, error=f"the grammar imports {foreign[0].split('.', 1)[0]!r}, which the gateway "
-                                       "does not load")
+    foreign = foreign_import(definition)
+    if foreign is not None:
+        return LarkChecker(None, error=f"the grammar imports {foreign!r}, which the gateway does not load")
     try:
         return _load_lark(definition)
     except Exception as exc:  # lark raising something else (a missing regex module, ...): unchecked, not a 500

@@ -28,5 +28,7 @@ class RequestRecord:
     request_bytes: int = 0
     response_bytes: int = 0
     enforcement: list[str] = field(default_factory=list)
+    grammar_routes: list[str] = field(default_factory=list)  # how grammar tools were enforced (onerequest.ROUTES)
+    grammar_conversion_failures: list[str] = field(default_factory=list)  # forms ("ebnf", "regex"), first time only
     reasoning_rejected: int = 0  # sealed reasoning blobs that did not open
     mcp_calls: list[tuple[str, str, float | None]] = field(default_factory=list)  # (server label, outcome, s)

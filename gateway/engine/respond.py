@@ -14,10 +14,12 @@ import structlog
 
 from gateway.config import Settings
 from gateway.enforce.constrain import ContentAsCall
+from gateway.enforce.onerequest import GrammarRoutes
 from gateway.enforce.plan import Plan, Violation, plan_for, violation_response
 from gateway.engine.background import BackgroundRuns, RunIdentity
 from gateway.engine.drain import Drain
 from gateway.engine.enforcer import Enforcer, Guard, StepError
+from gateway.engine.grammar_routes import UpstreamGrammarSupport, mark_cut_calls, routes_for
 from gateway.engine.history import (
     APPENDED_STATUSES,
     HistoryBudget,
@@ -78,6 +80,8 @@ class ResponsesHandler:
     sealer: ReasoningSealer | None = None
     # Background mode (gateway.engine.background); None (no store): background=true is refused.
     background: BackgroundRuns | None = None
+    # Whether the upstream constrains grammar calls in the request itself (gateway.engine.grammar_routes).
+    grammar_support: UpstreamGrammarSupport | None = None
 
     async def respond(self, body: dict[str, Any], headers: Mapping[str, str], owner: str | None,
                       record: RequestRecord, turn: Turn | None = None, *,
@@ -132,14 +136,16 @@ class ResponsesHandler:
     # ------------------------------------------------------------------ an upstream round
 
     async def _open_round(self, body: dict[str, Any], ctx: ResolvedToolContext, history: list[dict[str, Any]],
-                          headers: Mapping[str, str], extra: Mapping[str, str], record: RequestRecord
-                          ) -> Round | Answered:
+                          headers: Mapping[str, str], extra: Mapping[str, str], record: RequestRecord,
+                          routes: GrammarRoutes | None = None) -> Round | Answered:
         """One upstream round opened on the configured API (the plain request, and each round of the tool
         loop): its event batches, or (an error before the stream started) the upstream's error in OpenAI's
         shape."""
         chat = self.settings.upstream_api == "chat"
         path = "/v1/chat/completions" if chat else "/v1/responses"
         upstream_body = build_chat_request(body, ctx, history) if chat else build_upstream_request(body, ctx, history)
+        if routes is not None:
+            routes.apply(upstream_body)
         up = await self.upstream.send_json(path, upstream_body, headers, stream=True, extra_headers=extra)
         if not up.ok:
             try:
@@ -186,6 +192,11 @@ class ResponsesHandler:
                 plan = plan_for(state.ctx, "validate")
                 enforcer.plan = plan
                 guard = Guard(plan, state.ctx, enforcer)
+        if guard is not None and plan.check_grammar:
+            if self.grammar_support is None:
+                self.grammar_support = UpstreamGrammarSupport(self.upstream)
+            guard.routes = await routes_for(state.ctx, body, mode=plan.mode, parser=self.settings.tool_call_parser,
+                                            support=self.grammar_support, record=record)
         return await self._forward(body, state, record, persist, history, headers, extra, guard=guard)
 
     async def _forward(self, body: dict[str, Any], state: RequestState, record: RequestRecord,
@@ -193,8 +204,12 @@ class ResponsesHandler:
                        extra: Mapping[str, str], *, guard: Guard | None) -> Outcome:
         """Send the request to the configured upstream API and answer from what comes back (streamed or not);
         ``guard`` checks the answer when enforcement is on."""
+        routes = guard.routes if guard is not None else None
         if record.stream:
-            opened = await self._open_round(body, state.ctx, history, headers, extra, record)
+            opened = await self._open_round(body, state.ctx, history, headers, extra, record, routes)
+            if isinstance(opened, Answered) and guard is not None and _refused(routes, opened.status):
+                routes = _back_to_takeover(guard, record, opened.status)
+                opened = await self._open_round(body, state.ctx, history, headers, extra, record, routes)
             if isinstance(opened, Answered):
                 return opened
             return self._stream(opened, state, record, persist, guard)
@@ -203,7 +218,14 @@ class ResponsesHandler:
         path = "/v1/chat/completions" if chat else "/v1/responses"
         upstream_body = build_chat_request(body, state.ctx, history) if chat else \
             build_upstream_request(body, state.ctx, history)
+        if routes is not None:
+            routes.apply(upstream_body)
         status, payload = await self.upstream.post_json(path, upstream_body, headers)
+        if guard is not None and _refused(routes, status):
+            _back_to_takeover(guard, record, status)
+            upstream_body = build_chat_request(body, state.ctx, history) if chat else \
+                build_upstream_request(body, state.ctx, history)
+            status, payload = await self.upstream.post_json(path, upstream_body, headers)
         if status >= 400:
             record.upstream_error = f"http_{status}"
             return Answered(payload, status)
@@ -400,9 +422,14 @@ class ResponsesHandler:
                 guard: Guard | None) -> Outcome:
         batches, up = opened.batches, opened.up
         translator = FunctionSseTranslator(state, ids=new_id)
-        if guard is not None and guard.plan.regenerate:
-            takeover = GrammarTakeover(state.ctx, guard.enforcer, lambda: _so_far(translator))
-            guard.checked = takeover.checked
+        routes = guard.routes if guard is not None else None
+        if guard is not None and routes is not None and routes.one_request:
+            # Constrained by the request itself: checked once at each call's end, never held or taken over.
+            batches = mark_cut_calls(batches, state.ctx, routes.one_request, guard.checked, guard.enforcer.note)
+        if guard is not None and guard.plan.regenerate and (routes is None or routes.takeover):
+            takeover = GrammarTakeover(state.ctx, guard.enforcer, lambda: _so_far(translator),
+                                       names=routes.takeover if routes is not None else None)
+            takeover.checked = guard.checked
             batches = takeover.run(batches, up)
         return Streamed(self._pump_events(batches, up, translator, record, persist, guard))
 
@@ -434,6 +461,8 @@ class ResponsesHandler:
                 else:
                     out += translator.finish()
             except StreamFailure as exc:  # the drain, a broken or idle upstream, a takeover step's HTTP error
+                if exc.upstream_error == "stream_broken":
+                    self.upstream.generation += 1  # it may come back as another server (gateway.engine.grammar_routes)
                 out += failed(translator, record, exc)
             final = translator.final_response
             if guard is not None:
@@ -528,6 +557,23 @@ def failed(translator: FunctionSseTranslator, record: RequestRecord, exc: Gatewa
     if isinstance(exc, StreamFailure) and exc.upstream_error is not None:
         record.upstream_error = exc.upstream_error
     return translator.fail(exc.code or "upstream_error", exc.message)
+
+
+def _refused(routes: GrammarRoutes | None, status: int) -> bool:
+    """The upstream answered 400 to a body the one-request routes changed (a schema or pattern its structured-output
+    backend does not take): the request is sent again as it would have been without them."""
+    return routes is not None and routes.changes_body and status == 400
+
+
+def _back_to_takeover(guard: Guard, record: RequestRecord, status: int) -> GrammarRoutes:
+    log.warning("grammar_constraint_refused", request_id=record.request_id, status=status, routes=record.grammar_routes,
+                message="The upstream refused the request with the grammar tools' constraint; sent again without it "
+                        "(the takeover enforces those calls).")
+    record.upstream_error = None
+    routes = guard.routes = GrammarRoutes(routes={name: "takeover" for name in (guard.routes.routes if guard.routes
+                                                                                else {})})
+    record.grammar_routes = list(routes.used)
+    return routes
 
 
 def _so_far(translator: FunctionSseTranslator) -> tuple[dict[str, Any] | None, str]:

@@ -1,5 +1,9 @@
 """Grammar custom calls under ``tool_choice: auto`` with ``constrain``: live, and matching their grammar.
 
+This is the fallback route (issue 18): on vLLM >= 0.32 a grammar tool whose grammar converts is constrained by the
+upstream request itself (gateway.enforce.onerequest: one request, no second step); the takeover below is for
+upstreams that cannot (an older or unknown server) and grammars that do not convert (``names``: those tools only).
+
 The model decides *whether* to call a grammar tool (``auto``), but vLLM cannot constrain a function's
 string argument to a Lark or regex grammar. Holding the call until its end to check it (the old design)
 turned Codex's live patch preview into one lump and needed an unbounded buffer. Instead, the gateway
@@ -59,8 +63,9 @@ class GrammarTakeover:
     """Wraps an upstream event-batch iterator; see the module docstring."""
 
     def __init__(self, ctx: ResolvedToolContext, enforcer: Enforcer, so_far: SoFar,
-                 open_step: OpenStep | None = None) -> None:
+                 open_step: OpenStep | None = None, names: frozenset[str] | None = None) -> None:
         self.ctx = ctx
+        self.names = names  # the grammar tools left to the takeover (None: all; the others are one-request)
         self.enforcer = enforcer
         self.so_far = so_far
         self.open_step: OpenStep = open_step or enforcer.open_input_stream
@@ -80,7 +85,8 @@ class GrammarTakeover:
         if not isinstance(item, dict) or item.get("type") != "function_call" or not item.get("name"):
             return None
         info = self.ctx.lookup(item["name"])
-        if info is None or info.kind != "custom" or info.grammar is None:
+        if info is None or info.kind != "custom" or info.grammar is None or (
+                self.names is not None and info.upstream_name not in self.names):
             return None
         if not isinstance(d.get("output_index"), int):
             return None

@@ -72,6 +72,12 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(PREFIX + "client_disconnects", "counter", ("route",), "Clients that left before the response ended."),
     MetricSpec(PREFIX + "tool_choice_enforcement", "counter", ("outcome",),
                "tool_choice enforcement outcomes: pinned, picked, regenerated, violated."),
+    MetricSpec(PREFIX + "grammar_enforcement", "counter", ("route",),
+               "Responses with grammar custom tools, by how they were enforced: structural_tag, strict_pattern (one "
+               "upstream request), takeover (a second, constrained request per call), validate (checked only)."),
+    MetricSpec(PREFIX + "grammar_conversion_failures", "counter", ("form",),
+               "Custom-tool grammars that could not be converted (ebnf, regex), once per definition and process; "
+               "their calls fall back to the takeover."),
     MetricSpec(PREFIX + "upstream_ready", "gauge", (), "1 when the last readiness probe of the upstream passed."),
     MetricSpec(PREFIX + "streams_aborted_on_shutdown", "counter", (),
                "Streams ended with response.failed (gateway_shutting_down) after the drain period."),
@@ -114,6 +120,8 @@ _UPSTREAM_KINDS = frozenset({"idle_timeout", "stream_broken", *_UPSTREAM_CODES,
 _TOOL_KINDS = frozenset({"custom", "function", "builtin"})
 _ENFORCEMENT_OUTCOMES = frozenset({"pinned", "picked", "regenerated", "violated", "valid", "unchecked",
                                    "constrained", "step_failed", "fallback_validate"})
+_GRAMMAR_ROUTES = frozenset({"structural_tag", "strict_pattern", "takeover", "validate"})
+_GRAMMAR_FORMS = frozenset({"ebnf", "regex"})
 _REJECTIONS = frozenset({"unauthorized", "concurrency", "body_too_large", "body_timeout", "draining", "host",
                          "origin", "websocket_connections", "background_per_key"})
 
@@ -179,6 +187,8 @@ class GatewayMetrics:
         self.disconnects: Counter = built["client_disconnects"]  # type: ignore[assignment]
         self.enforcement: Counter = built["tool_choice_enforcement"]  # type: ignore[assignment]
         self.upstream_ready: Gauge = built["upstream_ready"]  # type: ignore[assignment]
+        self.grammar_enforcement: Counter = built["grammar_enforcement"]  # type: ignore[assignment]
+        self.grammar_conversion_failures: Counter = built["grammar_conversion_failures"]  # type: ignore[assignment]
         self.aborted_on_shutdown: Counter = built["streams_aborted_on_shutdown"]  # type: ignore[assignment]
         self.mcp_calls: Counter = built["mcp_calls"]  # type: ignore[assignment]
         self.reasoning_rejected: Counter = built["reasoning_blobs_rejected"]  # type: ignore[assignment]
@@ -230,6 +240,10 @@ class GatewayMetrics:
             self.disconnects.labels(record.route).inc()
         for outcome in record.enforcement:
             self.enforcement.labels(bounded(outcome, _ENFORCEMENT_OUTCOMES)).inc()
+        for route in record.grammar_routes:
+            self.grammar_enforcement.labels(bounded(route, _GRAMMAR_ROUTES)).inc()
+        for form in record.grammar_conversion_failures:
+            self.grammar_conversion_failures.labels(bounded(form, _GRAMMAR_FORMS)).inc()
         if record.reasoning_rejected:
             self.reasoning_rejected.inc(record.reasoning_rejected)
         for label, outcome, seconds in record.mcp_calls:

@@ -736,7 +736,8 @@ class FunctionSseTranslator:
                 self._held_bytes -= sum(len(h[2]) for h in held)
                 return out + self._done_only(st)
             out += self._release(st)
-        return out + self._close_item(st, "completed")
+        # "incomplete": a grammar call the engine found cut short (gateway.engine.grammar_routes.mark_cut_calls).
+        return out + self._close_item(st, "incomplete" if item.get("status") == "incomplete" else "completed")
 
     def _done_only(self, st: _Item) -> list[ClientEvent]:
         up = st.up
@@ -763,7 +764,7 @@ class FunctionSseTranslator:
                     out.append(self._emit("response.function_call_arguments.delta",
                                           {"item_id": st.item_id, "output_index": st.client_index, "delta": args}))
                 out += self._args_done(st)
-            return out + self._close_item(st, "completed")
+            return out + self._close_item(st, "incomplete" if item.get("status") == "incomplete" else "completed")
         st.kind = "pass"
         st.item_id = item.get("id")
         self._assign(st)

@@ -287,6 +287,9 @@ class UpstreamClient:
         self._transport = self.http._transport  # httpx-private, as _route's lookup
         self._routes: dict[str, tuple[httpx.URL, httpx.AsyncBaseTransport]] = {}
         self._proxy_paths = frozenset(settings.proxy_paths)
+        # Bumped on every transport failure of a model request: the upstream may have gone away and come back as
+        # another server, so what was learnt about it (gateway.engine.grammar_routes) is learnt again.
+        self.generation = 0
 
     async def aclose(self) -> None:
         await self.http.aclose()
@@ -333,6 +336,7 @@ class UpstreamClient:
         try:
             response = await transport.handle_async_request(request)
         except httpx.HTTPError as exc:
+            self.generation += 1
             raise map_transport_error(exc) from exc
         # The request (its serialized body: the whole conversation, for a long agent session hundreds of KB) is
         # detached from the response, which lives as long as the stream: nothing reads it back (httpx-private).
@@ -368,6 +372,27 @@ class UpstreamClient:
         except httpx.HTTPError as exc:
             return f"upstream unreachable ({type(exc).__name__})"
         return response.status_code
+
+    async def get_json(self, path: str, timeout: float, max_bytes: int = 1 << 16) -> tuple[int, Any] | str:
+        """A small ``GET`` (with the upstream key), e.g. vLLM's ``/version``: status and parsed JSON (None when the
+        body is not JSON or larger than ``max_bytes``), or why there is none (a sentence)."""
+        try:
+            async with asyncio.timeout(timeout):
+                async with self.http.stream("GET", path, headers=self.auth_headers({}), timeout=timeout) as up:
+                    body = bytearray()
+                    async for chunk in up.aiter_bytes():
+                        body += chunk
+                        if len(body) > max_bytes:
+                            return up.status_code, None
+                    status = up.status_code
+        except (TimeoutError, httpx.TimeoutException):
+            return f"upstream {path} did not answer within {timeout:g} s"
+        except httpx.HTTPError as exc:
+            return f"upstream unreachable ({type(exc).__name__})"
+        try:
+            return status, orjson.loads(body)
+        except orjson.JSONDecodeError:
+            return status, None
 
     async def fetch_metrics(self, timeout: float, max_bytes: int) -> tuple[int, bytes, str] | GatewayError:
         """vLLM's ``GET /metrics`` (with the upstream key): status, body, content type — or the error it maps to."""
