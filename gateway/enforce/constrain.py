@@ -24,18 +24,21 @@ import orjson
 
 from gateway.protocol.events import UpstreamEvent
 from gateway.runtime import new_id
+from gateway.translate.builtin_tools import BUILTIN_TOOL_TYPES
 from gateway.translate.chat import add_usage, chat_usage
 from gateway.translate.tool_context import ToolInfo
 
 __all__ = ["ContentAsCall", "InputContinuation", "args_request", "constraint_for", "pick_request"]
 
 PICK_MAX_TOKENS = 32
+# Tools whose calls are JSON arguments under a schema (the built-in client tools are offered as functions).
+_JSON_KINDS = ("function", "mcp", *BUILTIN_TOOL_TYPES)
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
 
 def constraint_for(info: ToolInfo) -> dict[str, Any] | None:
     """The ``structured_outputs`` value that makes any answer a valid call content; None for free text."""
-    if info.kind in ("function", "mcp"):
+    if info.kind in _JSON_KINDS:
         params = info.definition.get("parameters")
         return {"json": params if isinstance(params, dict) and params else _ANY_OBJECT}
     grammar = info.grammar
@@ -85,7 +88,7 @@ def args_request(chat_body: Mapping[str, Any], info: ToolInfo, *, stream: bool,
     constraint = constraint_for(info)
     desc = str(info.definition.get("description") or "").strip()
     head = f"You are calling the tool `{info.upstream_name}` now." + (f" Its description: {desc}" if desc else "")
-    if info.kind in ("function", "mcp"):
+    if info.kind in _JSON_KINDS:
         schema = orjson.dumps(constraint["json"] if constraint else _ANY_OBJECT).decode()
         what = f"Write only the call's arguments: one JSON object matching this JSON Schema:\n{schema}"
     elif info.grammar is not None:

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from gateway.translate.builtin_tools import builtin_arguments, builtin_tool_of, v4a_problem
 from gateway.translate.lark_rewrite import foreign_import
 from gateway.translate.lark_rewrite import rewrite_zero_width as _rewrite_zero_width
 from gateway.translate.tool_context import ResolvedToolContext, ToolInfo
@@ -191,11 +192,24 @@ def check_arguments(info: ToolInfo, arguments: str) -> CallCheck:
         # jsonschema's message quotes the value; only the failed keyword is kept (arguments never reach the logs).
         return CallCheck(False, f"arguments of '{info.name}' do not match its schema at {where} "
                                 f"(keyword '{error.validator}')")
+    if info.kind == "apply_patch":  # the diff is V4A (checked on the complete call; constrain's retries use it too)
+        operation = value.get("operation")
+        problem = v4a_problem(operation if isinstance(operation, dict) else {})
+        if problem is not None:
+            return CallCheck(False, problem)
     return CallCheck(True)
 
 
 def check_call(item: Mapping[str, Any], ctx: ResolvedToolContext) -> tuple[ToolInfo | None, CallCheck]:
-    """One client output item (function_call or custom_tool_call) against its declared tool."""
+    """One client output item (function_call, custom_tool_call or a built-in call) against its declared tool."""
+    builtin = builtin_tool_of(item)
+    if builtin is not None:  # apply_patch_call / shell_call / local_shell_call: its payload as the arguments
+        info = next((i for i in ctx.callable_tools if i.kind == builtin), None)
+        if info is None:
+            return None, CallCheck(False, f"'{builtin}' is not a declared tool")
+        if item.get("status") not in (None, "completed"):
+            return info, CallCheck(False, f"the {builtin} call was cut off before its arguments were complete")
+        return info, check_arguments(info, builtin_arguments(item))
     info = ctx.find(str(item.get("name")), item.get("namespace"))
     if info is None:
         return None, CallCheck(False, f"'{item.get('name')}' is not a declared tool")
@@ -218,13 +232,18 @@ class OutputCheck:
 def check_pinned_output(output: Sequence[Any], ctx: ResolvedToolContext, status: str | None = None) -> OutputCheck:
     """The output of a request whose ``tool_choice`` demands a call from ``ctx.pinned_tools``."""
     pinned = {(i.name, i.namespace) for i in ctx.pinned_tools}
-    calls = [i for i in output if isinstance(i, dict) and i.get("type") in ("function_call", "custom_tool_call")]
+    calls = [i for i in output if isinstance(i, dict) and (i.get("type") in ("function_call", "custom_tool_call")
+                                                           or builtin_tool_of(i) is not None)]
     cut = " (the upstream stopped at its token limit)" if status == "incomplete" else ""
     if not calls:
         return OutputCheck(False, f"tool_choice requires a tool call, but the upstream answered without one{cut}.")
     unchecked: list[str] = []
     for item in calls:
-        if (item.get("name"), item.get("namespace")) not in pinned:
+        builtin = builtin_tool_of(item)
+        if builtin is not None:
+            if (builtin, None) not in pinned:
+                return OutputCheck(False, f"the upstream called '{builtin}', which tool_choice does not allow.")
+        elif (item.get("name"), item.get("namespace")) not in pinned:
             return OutputCheck(False, f"the upstream called '{item.get('name')}', which tool_choice does not allow.")
         _, verdict = check_call(item, ctx)
         if not verdict.ok:

@@ -11,6 +11,7 @@ import orjson
 
 from gateway.engine.outcome import Turn
 from gateway.errors import InvalidRequest, NotFound
+from gateway.protocol.builtin_items import public_builtin_item
 from gateway.protocol.conversations import conversation_ref
 from gateway.runtime import new_id
 from gateway.store import BrokenChainError, HistoryTooLargeError, ResponseStore, StoredResponse
@@ -52,7 +53,7 @@ def public_input_items(body: dict[str, Any]) -> list[dict[str, Any]]:
     for item in items:
         if not isinstance(item, dict):
             continue
-        item = dict(item)
+        item = public_builtin_item(item)
         if "type" not in item and "role" in item:
             item["type"] = "message"
         if not item.get("id"):

@@ -482,7 +482,8 @@ class ResponsesHandler:
                 yield out
         finally:
             stats = translator.stats  # recorded first: a cancelled task may not get past the awaits below
-            record.tool_calls = {"custom": stats.custom_calls, "function": stats.function_calls}
+            record.tool_calls = {"custom": stats.custom_calls, "function": stats.function_calls,
+                                 "builtin": stats.builtin_calls}
             record.held_bytes_peak = stats.held_bytes_peak
             record.overflowed = stats.overflowed
             if stats.raw_inputs or stats.input_mismatches:
@@ -609,10 +610,12 @@ def _store_failed_frames(frames: list[ClientEvent], final: dict[str, Any]
 
 
 def _count_calls(record: RequestRecord, final: dict[str, Any]) -> None:
-    counts = {"custom": 0, "function": 0}
+    counts = {"custom": 0, "function": 0, "builtin": 0}
     for item in final.get("output") or ():
         if item.get("type") == "custom_tool_call":
             counts["custom"] += 1
         elif item.get("type") == "function_call":
             counts["function"] += 1
+        elif item.get("type") in ("apply_patch_call", "shell_call", "local_shell_call"):
+            counts["builtin"] += 1
     record.tool_calls = counts

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from gateway.errors import InvalidRequest
+from gateway.protocol.builtin_items import public_builtin_item
 from gateway.protocol.ids import IdFactory
 
 __all__ = ["MAX_ITEMS_PER_CALL", "check_metadata", "conversation_item", "conversation_ref", "request_items"]
@@ -26,6 +27,13 @@ _ID_PREFIX = {
     "custom_tool_call": "ctc",
     "custom_tool_call_output": "ctco",
     "reasoning": "rs",
+    # the client-executed built-in tools (gateway.translate.builtin_tools.ITEM_ID_PREFIX)
+    "apply_patch_call": "apc",
+    "apply_patch_call_output": "apco",
+    "shell_call": "sh",
+    "shell_call_output": "sho",
+    "local_shell_call": "lsh",
+    "local_shell_call_output": "lsho",
 }
 
 
@@ -45,7 +53,7 @@ def conversation_ref(body: Mapping[str, Any]) -> str | None:
 def conversation_item(item: Mapping[str, Any], ids: IdFactory) -> dict[str, Any]:
     """The public form of one item as a conversation holds it, with an id (a fresh one from ``ids`` if it has
     none)."""
-    out = dict(item)
+    out = public_builtin_item(item)
     if "type" not in out and "role" in out:
         out["type"] = "message"
     if out.get("type") == "message":

@@ -63,7 +63,8 @@ METRICS: tuple[MetricSpec, ...] = (
                "Upstream failures: http_<status>, idle_timeout, stream_broken, upstream_unavailable, "
                "upstream_timeout, upstream_error (other: a status outside 100-599)."),
     MetricSpec(PREFIX + "tool_calls", "counter", ("kind",),
-               "Tool calls returned to clients, by kind (custom: translated back from a function call)."),
+               "Tool calls returned to clients, by kind (custom: translated back from a function call; builtin: "
+               "apply_patch, shell or local_shell calls)."),
     MetricSpec(PREFIX + "unnamed_call_held_bytes", "histogram", (),
                "Peak bytes of frames held per streamed response for tool calls whose name had not arrived."),
     MetricSpec(PREFIX + "unnamed_call_overflows", "counter", (),
@@ -116,7 +117,7 @@ _UPSTREAM_CODES = frozenset({"upstream_unavailable", "upstream_timeout", "upstre
 OTHER = "other"
 _UPSTREAM_KINDS = frozenset({"idle_timeout", "stream_broken", *_UPSTREAM_CODES,
                              *(f"http_{status}" for status in range(100, 600))})
-_TOOL_KINDS = frozenset({"custom", "function"})
+_TOOL_KINDS = frozenset({"custom", "function", "builtin"})
 _ENFORCEMENT_OUTCOMES = frozenset({"pinned", "picked", "regenerated", "violated", "valid", "unchecked",
                                    "constrained", "step_failed", "fallback_validate"})
 _GRAMMAR_ROUTES = frozenset({"structural_tag", "strict_pattern", "takeover", "validate"})

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.protocol.ids import custom_call_item_id
+from gateway.translate.builtin_tools import BUILTIN_TOOL_TYPES, builtin_call_item
 from gateway.translate.custom_input import InputDecoder, final_input
 from gateway.translate.tool_context import ResolvedToolContext, ToolInfo, public_tool
 from gateway.translate.usage import normalize_usage
@@ -74,6 +75,8 @@ def build_request_state(body: Mapping[str, Any], ctx: ResolvedToolContext, *, re
 def client_call_item(item: Mapping[str, Any], info: ToolInfo | None, input_value: str | None = None
                      ) -> dict[str, Any]:
     """The client's form of an upstream function_call item."""
+    if info is not None and info.kind in BUILTIN_TOOL_TYPES:
+        return builtin_call_item(info.kind, item)
     if info is not None and info.kind == "custom":
         out: dict[str, Any] = {
             "id": custom_call_item_id(item.get("id"), item.get("call_id")),

@@ -12,6 +12,12 @@ from typing import Any
 import orjson
 
 from gateway.errors import InvalidRequest
+from gateway.translate.builtin_tools import (
+    BUILTIN_CALL_TYPES,
+    BUILTIN_OUTPUT_TYPES,
+    BUILTIN_TOOL_TYPES,
+    builtin_history,
+)
 from gateway.translate.mcp_items import denied_history, mcp_call_history, mcp_name
 from gateway.translate.tool_context import ResolvedToolContext, ToolInfo
 
@@ -61,6 +67,8 @@ def _upstream_tool(info: ToolInfo) -> dict[str, Any]:
             # non-objects (null, Infinity) for a named call (docs/vllm-findings.md §f).
             "strict": True,
         }
+    if info.kind in BUILTIN_TOOL_TYPES:  # apply_patch / shell / local_shell: strict by the custom tools' rule
+        return {k: v for k, v in info.definition.items() if k != "type"} | {"type": "function", "strict": True}
     if info.kind == "mcp":  # a listed MCP tool, already in function form (mcp_items.tool_function)
         return {k: v for k, v in info.definition.items() if k != "server_label"}
     tool = dict(info.definition)
@@ -150,6 +158,9 @@ def upstream_input_items(items: Sequence[Any], ctx: ResolvedToolContext, param: 
             if request is not None and item.get("approve") is False:
                 out += denied_history(request, _mcp_upstream_name(ctx, request),
                                       item.get("reason") if isinstance(item.get("reason"), str) else None)
+            continue
+        if itype in BUILTIN_OUTPUT_TYPES or (isinstance(itype, str) and itype in BUILTIN_CALL_TYPES.values()):
+            out.append(builtin_history(item, p))  # the function call / output vLLM was offered
             continue
         if itype == "custom_tool_call":
             raw = item.get("input")

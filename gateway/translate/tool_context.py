@@ -20,8 +20,9 @@ from types import MappingProxyType
 from typing import Any, Literal
 
 from gateway.errors import InvalidRequest
+from gateway.translate.builtin_tools import BUILTIN_TOOL_TYPES, builtin_function
 
-ToolKind = Literal["function", "custom", "mcp", "other"]
+ToolKind = Literal["function", "custom", "mcp", "other", "apply_patch", "shell", "local_shell"]
 
 UPSTREAM_NAME_LIMIT = 64
 _VALID_NAME = re.compile(r"^[a-zA-Z0-9_-]+$")
@@ -106,6 +107,9 @@ class ResolvedToolContext:
             ctype = choice.get("type")
             if ctype in CALLABLE_TYPES:
                 info = self._named(choice)
+                return (info,) if info else ()
+            if ctype in BUILTIN_TOOL_TYPES:  # {"type": "apply_patch"}: pinned like a named function
+                info = _builtin(self.by_upstream_name, ctype)
                 return (info,) if info else ()
             if ctype == "mcp":  # pinned like a named function (or required among that server's tools)
                 return self._allowed() if self.allowed_upstream_names is not None else ()
@@ -299,6 +303,10 @@ def resolve_tool_context(body: Mapping[str, Any]) -> ResolvedToolContext:
         ttype = tool["type"]
         if ttype in CALLABLE_TYPES:
             register(tool, param, None)
+        elif ttype in BUILTIN_TOOL_TYPES:
+            # Client-executed built-in tools: a function named after the type (a client function of the same
+            # name is a duplicate_tool_name 400). strict: the same rule as custom tools' functions (rewrite.py).
+            register({**builtin_function(ttype, strict=True), "type": ttype}, param, None)
         elif ttype == "namespace":
             for j, member in enumerate(tool["tools"]):
                 register(member, f"{param}.tools[{j}]", tool["name"])
@@ -367,6 +375,11 @@ def with_mcp_tools(ctx: ResolvedToolContext, listed: Mapping[str, Sequence[Mappi
 _BUILTIN_CHOICES = ("apply_patch", "shell")
 
 
+def _builtin(by_upstream: Mapping[str, ToolInfo], kind: str) -> ToolInfo | None:
+    """The declared built-in tool of this type (``apply_patch``, ``shell``, ``local_shell``), if any."""
+    return next((i for i in by_upstream.values() if i.kind == kind and i.namespace is None), None)
+
+
 def _as_declared(choice: Any, by_upstream: Mapping[str, ToolInfo]) -> Any:
     """``{"type": "apply_patch"}`` as ``{"type": <kind>, "name": "apply_patch"}`` when such a tool is declared."""
     if isinstance(choice, dict) and choice.get("type") in _BUILTIN_CHOICES and "name" not in choice:
@@ -429,6 +442,8 @@ def _resolve_choice(
             raise _err(f"tool_choice asks for a {ctype} tool, but '{name}' is declared as a {info.kind} "
                        "tool.", "tool_choice.type")
         return None, {"type": "function", "name": info.upstream_name}
+    if ctype in BUILTIN_TOOL_TYPES and _builtin(by_upstream, ctype) is not None:
+        return None, {"type": "function", "name": ctype}
     if ctype == "mcp":
         found = _mcp_choice(choice, "tool_choice", by_upstream, labels, listed)
         if not listed:
@@ -462,6 +477,8 @@ def _resolve_choice(
                     raise _err(f"allowed_tools names the namespace '{entry.get('name')}', which is not "
                                "declared.", f"tool_choice.tools[{j}]", "tool_not_found")
                 names.update(i.upstream_name for i in members)
+            elif etype in BUILTIN_TOOL_TYPES and _builtin(by_upstream, etype) is not None:
+                names.add(etype)
             elif etype == "mcp":
                 names.update(i.upstream_name for i in _mcp_choice(entry, f"tool_choice.tools[{j}]", by_upstream,
                                                                   labels, listed))

@@ -10,6 +10,12 @@ sees (``_Item.kind``):
                  the decoded ``input`` string as it arrives, ``.done`` carries the whole of it;
 * ``function``   a function call, passed through (namespace members get their public name back);
 * ``pass``       messages, reasoning and anything unknown, passed through;
+* ``patch``      an ``apply_patch`` call, shown as an ``apply_patch_call``: announced once its operation's type and
+                 path are known, its diff streamed as ``response.apply_patch_call_operation_diff.delta`` events
+                 (gateway.translate.builtin_tools);
+* ``builtin``    a ``shell`` / ``local_shell`` call, shown as a ``shell_call`` / ``local_shell_call`` completed with
+                 its action when its arguments are; a shell call's commands stream as
+                 ``response.shell_call_command.added/.delta/.done`` events as they are written;
 * ``pending``    a call whose name has not arrived: its frames are held (at most
                  ``max_unnamed_call_bytes`` per response) until the name arrives, then released in order;
 * ``suppressed`` a call after the first one when ``parallel_tool_calls`` is false: nothing is emitted;
@@ -48,6 +54,13 @@ import orjson
 from gateway.protocol.events import ClientEvent, UpstreamEvent
 from gateway.protocol.ids import IdFactory
 from gateway.translate.accumulator import ResponseAccumulator, UpstreamItem
+from gateway.translate.builtin_tools import (
+    BUILTIN_TOOL_TYPES,
+    PatchStream,
+    ShellStream,
+    builtin_call_item,
+    opening_item,
+)
 from gateway.translate.custom_input import InputDecoder, final_input
 from gateway.translate.mcp_items import approval_request_item, approval_required, mcp_call_item
 from gateway.translate.restore import RequestState, client_call_item, restore_response
@@ -57,6 +70,10 @@ from gateway.translate.usage import add_usage
 __all__ = ["FunctionSseTranslator", "TranslatorStats"]
 
 _LIFECYCLE_START = frozenset({"response.created", "response.in_progress", "response.queued"})
+# ShellStream steps -> OpenAI's shell command events and the field that carries the text.
+_SHELL_EVENTS = {"added": ("response.shell_call_command.added", "command"),
+                 "delta": ("response.shell_call_command.delta", "delta"),
+                 "done": ("response.shell_call_command.done", "command")}
 _TERMINAL = {"completed": "response.completed", "incomplete": "response.incomplete", "failed": "response.failed"}
 
 @dataclass(slots=True)
@@ -69,6 +86,7 @@ class TranslatorStats:
     input_mismatches: int = 0
     raw_inputs: int = 0
     mcp_calls: int = 0
+    builtin_calls: int = 0
 
 
 @dataclass(slots=True)
@@ -80,6 +98,8 @@ class _Item:
     info: ToolInfo | None = None
     held: list[tuple[str, dict[str, Any], str]] = field(default_factory=list)
     decoder: InputDecoder | None = None
+    patch: PatchStream | None = None
+    shell: ShellStream | None = None
     emitted: list[str] = field(default_factory=list)
     input_done: str | None = None
     args_done_sent: bool = False
@@ -335,6 +355,8 @@ class FunctionSseTranslator:
         base["name"] = up.name
         if st.info is not None and st.info.kind == "mcp":
             return self._open_owned(st)
+        if st.info is not None and st.info.kind in BUILTIN_TOOL_TYPES:
+            return self._open_builtin(st, base)
         if st.info is not None and st.info.kind == "custom":
             st.kind = "custom"
             st.decoder = InputDecoder()
@@ -350,6 +372,93 @@ class FunctionSseTranslator:
         st.item_id = item.get("id")
         self._assign(st)
         return [self._emit("response.output_item.added", {"output_index": st.client_index, "item": item})]
+
+    # ------------------------------------------------------------------ client-executed built-in tools
+
+    def _open_builtin(self, st: _Item, base: dict[str, Any]) -> list[ClientEvent]:
+        assert st.info is not None
+        self.stats.builtin_calls += 1
+        st.round = self.round
+        if st.info.kind == "apply_patch":
+            st.kind = "patch"  # announced when its operation's type and path are known (_patch_delta)
+            st.patch = PatchStream(self.state.max_unnamed_call_bytes)
+            return []
+        st.kind = "builtin"
+        if st.info.kind == "shell":  # its commands stream as response.shell_call_command.* events
+            st.shell = ShellStream(self.state.max_unnamed_call_bytes)
+        item = opening_item(st.info.kind, base)
+        st.item_id = item["id"]
+        self._assign(st)
+        return [self._emit("response.output_item.added", {"output_index": st.client_index, "item": item})]
+
+    def _open_patch(self, st: _Item, operation: dict[str, Any]) -> list[ClientEvent]:
+        item = opening_item("apply_patch", {**st.up.item, "name": st.up.name}, {**operation, "diff": ""}
+                            if operation.get("type") != "delete_file" else operation)
+        st.item_id = item["id"]
+        self._assign(st)
+        return [self._emit("response.output_item.added", {"output_index": st.client_index, "item": item})]
+
+    def _patch_delta(self, st: _Item, delta: str) -> list[ClientEvent]:
+        assert st.patch is not None
+        piece = st.patch.feed(delta)
+        out: list[ClientEvent] = []
+        if st.client_index < 0 and st.patch.operation is not None:
+            out += self._open_patch(st, st.patch.operation)
+        if piece and st.client_index >= 0:
+            st.emitted.append(piece)
+            out.append(self._emit("response.apply_patch_call_operation_diff.delta",
+                                  {"item_id": st.item_id, "output_index": st.client_index, "delta": piece}))
+        return out
+
+    def _close_patch(self, st: _Item, status: str) -> list[ClientEvent]:
+        """The authoritative operation from the complete arguments; a catch-up delta keeps the deltas'
+        concatenation equal to the done diff (as custom inputs do)."""
+        up = st.up
+        final = builtin_call_item("apply_patch", {**up.item, "status": status}, up.arguments)
+        operation = final["operation"]
+        out: list[ClientEvent] = []
+        if st.client_index < 0:
+            out += self._open_patch(st, operation)
+        base = {"item_id": st.item_id, "output_index": st.client_index}
+        if "diff" in operation:
+            diff, sent = str(operation["diff"]), "".join(st.emitted)
+            if diff.startswith(sent):
+                if diff[len(sent):]:
+                    out.append(self._emit("response.apply_patch_call_operation_diff.delta",
+                                          {**base, "delta": diff[len(sent):]}))
+            else:
+                self.stats.input_mismatches += 1  # the authoritative diff wins; the deltas were a guess
+            out.append(self._emit("response.apply_patch_call_operation_diff.done", {**base, "diff": diff}))
+        st.final = final
+        out.append(self._emit("response.output_item.done", {"output_index": st.client_index, "item": final}))
+        return out
+
+    def _shell_steps(self, st: _Item, steps: list[tuple[str, int, str]]) -> list[ClientEvent]:
+        out: list[ClientEvent] = []
+        for step, index, text in steps:
+            etype, key = _SHELL_EVENTS[step]
+            # item_id is not in the SDK's model of these events (extra fields are allowed): every other sub-event
+            # names its item, and the stream invariants hold for these too.
+            out.append(self._emit(etype, {"item_id": st.item_id, "output_index": st.client_index,
+                                          "command_index": index, key: text}))
+        return out
+
+    def _close_shell(self, st: _Item, commands: list[str]) -> list[ClientEvent]:
+        """The commands the stream did not finish, from the complete action (catch-up deltas as for diffs)."""
+        shell = st.shell
+        assert shell is not None
+        steps: list[tuple[str, int, str]] = []
+        for index, command in enumerate(commands):
+            if index < len(shell.done):
+                continue
+            sent = shell.decoder.value if index == shell.index and shell.decoder is not None else ""
+            if index > shell.index:
+                steps.append(("added", index, ""))
+            if command.startswith(sent) and command[len(sent):]:
+                steps.append(("delta", index, command[len(sent):]))
+            steps.append(("done", index, command))
+        st.shell = None
+        return self._shell_steps(st, steps)
 
     # ------------------------------------------------------------------ gateway-owned calls (MCP)
 
@@ -432,7 +541,8 @@ class FunctionSseTranslator:
 
     @property
     def client_calls_in_round(self) -> bool:
-        return any(st.kind in ("custom", "function") and st.round == self.round for st in self._order)
+        return any(st.kind in ("custom", "function", "patch", "builtin") and st.round == self.round
+                   for st in [*self._order, *self._items.values()])
 
     def complete_owned(self, key: str, output: str | None = None, error: dict[str, Any] | None = None
                        ) -> list[ClientEvent]:
@@ -546,8 +656,15 @@ class FunctionSseTranslator:
             if etype == "response.function_call_arguments.done":
                 return self._custom_done(st, str(d.get("arguments", "")))
             return []  # nothing else belongs to a custom call
+        if kind == "builtin":
+            if st.shell is not None and etype == "response.function_call_arguments.delta":
+                return self._shell_steps(st, st.shell.feed(str(d.get("delta", ""))))
+            return []  # the rest of a shell call's action is shown when complete
         if kind == "suppressed":
             return []
+        if kind == "patch":
+            return self._patch_delta(st, str(d.get("delta", ""))) \
+                if etype == "response.function_call_arguments.delta" else []
         if kind == "mcp" or kind == "approval":
             return self._owned_sub_event(st, etype, d)
         if kind == "function" and etype == "response.function_call_arguments.done":
@@ -632,6 +749,8 @@ class FunctionSseTranslator:
             out += self._open_call(st)
             if st.kind == "suppressed":
                 return out
+            if st.kind in ("patch", "builtin"):
+                return out + self._close_item(st, "completed")
             if st.kind in ("mcp", "approval"):
                 if st.kind == "mcp" and up.arguments:
                     out += self._owned_sub_event(st, "response.function_call_arguments.delta",
@@ -697,6 +816,8 @@ class FunctionSseTranslator:
         """``output_item.done`` with the authoritative item (the upstream's done item, or what we built)."""
         if st.kind == "approval" and st.opened is None and st.final is None and status == "completed":
             return self._close_owned(st, status)  # a deferred approval request, complete now
+        if st.kind == "patch" and st.final is None:
+            return self._close_patch(st, status)
         if st.kind == "suppressed" or st.client_index < 0 or st.final is not None:
             return []
         if st.kind in ("mcp", "approval"):
@@ -707,6 +828,11 @@ class FunctionSseTranslator:
             out += self._custom_done(st, up.arguments)
             final = client_call_item({**up.item, "name": up.name}, st.info, st.input_done)
             final["status"] = status
+        elif st.kind == "builtin":
+            assert st.info is not None
+            final = builtin_call_item(st.info.kind, {**up.item, "status": status}, up.arguments)
+            if st.shell is not None:
+                out += self._close_shell(st, final["action"]["commands"])
         elif st.kind == "function":
             out += self._args_done(st)
             final = client_call_item({**up.item, "name": up.name, "arguments": up.arguments}, st.info)
@@ -726,6 +852,9 @@ class FunctionSseTranslator:
         for st in self._order:
             if st.open:
                 out += self._close_item(st, status)
+        for st in list(self._items.values()):
+            if st.kind == "patch" and st.final is None:  # never announced: shown with what arrived
+                out += self._close_patch(st, status)
         return out
 
     def _final_output(self) -> list[dict[str, Any]]:
