@@ -29,4 +29,6 @@ class RequestRecord:
     response_bytes: int = 0
     enforcement: list[str] = field(default_factory=list)
     reasoning_rejected: int = 0  # sealed reasoning blobs that did not open
+    compaction_rejected: int = 0  # compaction items whose encrypted_content did not open (a 400)
+    compactions: int = 0  # compaction passes run (gateway.engine.compaction)
     mcp_calls: list[tuple[str, str, float | None]] = field(default_factory=list)  # (server label, outcome, s)

@@ -16,6 +16,8 @@ from gateway.config import Settings
 from gateway.enforce.constrain import ContentAsCall
 from gateway.enforce.plan import Plan, Violation, plan_for, violation_response
 from gateway.engine.background import BackgroundRuns, RunIdentity
+from gateway.engine.compaction import Compactor, UpstreamRefused, compact_endpoint
+from gateway.engine.context import ContextMeter
 from gateway.engine.drain import Drain
 from gateway.engine.enforcer import Enforcer, Guard, StepError
 from gateway.engine.history import (
@@ -40,6 +42,7 @@ from gateway.translate.rewrite import build_upstream_request
 from gateway.translate.sealing import ReasoningSealer, open_sealed_reasoning, parse_keys
 from gateway.translate.tool_context import ResolvedToolContext, ToolInfo, resolve_tool_context
 from gateway.translate.translator import FunctionSseTranslator
+from gateway.translate.usage import add_usage
 from gateway.upstream.chat import chat_completion_events, chat_event_batches, responses_event_batches
 from gateway.upstream.client import UpstreamClient, UpstreamResponse
 
@@ -78,6 +81,9 @@ class ResponsesHandler:
     sealer: ReasoningSealer | None = None
     # Background mode (gateway.engine.background); None (no store): background=true is refused.
     background: BackgroundRuns | None = None
+    # Counts the prompt as vLLM will (gateway.engine.context): context_management's compaction threshold.
+    meter: ContextMeter | None = None
+    _compactor: Compactor | None = None
 
     async def respond(self, body: dict[str, Any], headers: Mapping[str, str], owner: str | None,
                       record: RequestRecord, turn: Turn | None = None, *,
@@ -109,6 +115,16 @@ class ResponsesHandler:
         persist = self._persister(body, state, owner) if self._should_store(body) or conversation_ref(body) \
             else None
         body, history, state = self._reasoning(body, history, state, record, owner)
+        # Compaction (gateway.engine.compaction): compaction items opened into their summaries; a trigger or a
+        # context_management threshold compacts the context into a compaction item first in the output.
+        try:
+            body, history, state, only = await self.compactor().prepare(
+                body, history, state, headers, record, owner, self.meter, functools.partial(self._upstream_body, ctx))
+        except UpstreamRefused as exc:
+            record.upstream_error = f"http_{exc.status}"
+            return Answered(exc.payload, exc.status)
+        if only:  # a compaction_trigger: the response is the compaction item
+            return await self._no_generation(state, record, persist)
         extra = {"x-request-id": record.request_id}
         if body.get("generate") is False:
             return await self._no_generation(state, record, persist)
@@ -123,6 +139,36 @@ class ResponsesHandler:
                 record.upstream_error = f"http_{exc.status}"
                 return Answered(exc.payload, exc.status)
         return await self._forward(body, state, record, persist, history, headers, extra, guard=None)
+
+    async def compact(self, body: dict[str, Any], headers: Mapping[str, str], owner: str | None,
+                      record: RequestRecord) -> Answered:
+        """``POST /v1/responses/compact``: the history (``previous_response_id``'s chain, item references, then
+        ``input``) summarized by the upstream model into one sealed compaction item."""
+        record.model = body.get("model") if isinstance(body.get("model"), str) else None
+        budget = HistoryBudget(self.settings.max_history_bytes)
+
+        async def history(b: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+            b = await resolve_references(self.store, b, owner, budget)
+            b.pop("conversation", None)  # not a parameter of compact
+            return await resolve_history(self.store, b, owner, None, budget), b
+
+        try:
+            return Answered(await compact_endpoint(self.compactor(), body, owner, record, headers, history))
+        except UpstreamRefused as exc:
+            record.upstream_error = f"http_{exc.status}"
+            return Answered(exc.payload, exc.status)
+
+    def compactor(self) -> Compactor:
+        if self._compactor is None:
+            self._compactor = Compactor(self.settings, self.upstream, self.reasoning_sealer)
+        return self._compactor
+
+    def _upstream_body(self, ctx: ResolvedToolContext, body: dict[str, Any], history: list[dict[str, Any]]
+                       ) -> dict[str, Any]:
+        """The body the configured upstream API would get (what the context meter counts)."""
+        if self.settings.upstream_api == "chat":
+            return build_chat_request(body, ctx, history)
+        return build_upstream_request(body, ctx, history)
 
     async def _produce_run(self, body: dict[str, Any], headers: Mapping[str, str], owner: str | None,
                            record: RequestRecord, run: RunIdentity) -> Outcome:
@@ -213,7 +259,10 @@ class ResponsesHandler:
         if chat:
             final = self._translate_all(chat_completion_events(payload, self._converter(model)), state)
         else:
-            final = restore_response(payload, state, output=restore_output(payload.get("output") or [], state))
+            final = restore_response(payload, state,
+                                     output=[*state.lead, *restore_output(payload.get("output") or [], state)])
+            if state.lead_usage:  # the compaction pass this response ran first
+                final["usage"] = add_usage(dict(state.lead_usage), final.get("usage"))
         return await self._finish(final, record, persist, guard)
 
     # ------------------------------------------------------------------ gateway-executed (MCP) tools
@@ -488,8 +537,12 @@ class ResponsesHandler:
         async def persist(final: dict[str, Any]) -> None:
             """The record and the conversation turn, in one transaction; StoreWriteFailed if it did not commit."""
             now = int(time.time())
+            # A response that holds a compaction item starts its chain anew: loading a later turn's history
+            # stops here, and what the compaction replaced is never read again (gateway.engine.history).
+            compacted = any(i.get("type") == "compaction" for i in [*items, *(final.get("output") or ())]
+                            if isinstance(i, dict))
             rec = StoredResponse(id=final["id"], created_at=int(final.get("created_at") or now),
-                                 previous_response_id=body.get("previous_response_id"),
+                                 previous_response_id=None if compacted else body.get("previous_response_id"),
                                  status=str(final.get("status")), response=final, input_items=items,
                                  tool_context=tool_context, updated_at=now, owner=owner) if keep else None
             turn = None

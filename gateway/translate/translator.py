@@ -112,7 +112,9 @@ class FunctionSseTranslator:
         self._call_shown = False
         self.round = 0
         self.round_done = False
-        self._usage: dict[str, Any] | None = None  # summed over finished rounds
+        # Summed over finished rounds, from what the items the gateway made first cost (a compaction pass).
+        self._usage: dict[str, Any] | None = dict(state.lead_usage) if state.lead_usage else None
+        self._lead_sent = not state.lead
         self._round_terminal: dict[str, Any] | None = None
         self._handlers: dict[str, Callable[[str, dict[str, Any], str], list[ClientEvent]]] = {
             "response.output_item.added": self._on_added,
@@ -211,6 +213,19 @@ class FunctionSseTranslator:
             resp = restore_response(self.acc.snapshot, self.state, output=[], status="in_progress")
             resp["usage"] = None
             out.append(self._emit("response.in_progress", {"response": resp}))
+        if not self._lead_sent:
+            self._lead_sent = True
+            out += self._emit_lead()
+        return out
+
+    def _emit_lead(self) -> list[ClientEvent]:
+        """The items the gateway made before the upstream answered, each added, (a compaction item's
+        ``response.compaction.compacting``,) done."""
+        out: list[ClientEvent] = []
+        for item in self.state.lead:
+            events: list[tuple[str, dict[str, Any]]] = (
+                [("response.compaction.compacting", {})] if item.get("type") == "compaction" else [])
+            out += self.owned_item(item, events)
         return out
 
     # ------------------------------------------------------------------ lifecycle
@@ -229,7 +244,7 @@ class FunctionSseTranslator:
                 self._created = True
                 out.append(self._emit("response.created", {"response": dict(resp)}))
             out.append(self._emit(etype, {"response": resp}))
-            return out
+            return out + self._ensure_started()  # the gateway's own first items (a compaction), if any
         return []  # duplicates (and queued) are folded into the snapshot only
 
     def _on_error(self, etype: str, d: dict[str, Any], data: str) -> list[ClientEvent]:
