@@ -8,6 +8,7 @@ count each test sets (the real one asks vLLM's /tokenize; gateway.engine.context
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import os
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
 from openai.types.responses import (
     CompactedResponse,
@@ -64,7 +66,7 @@ class Upstream:
                 "choices": [{"index": 0, "finish_reason": "stop",
                              "message": {"role": "assistant", "content": text}}],
                 "usage": {"prompt_tokens": 120, "completion_tokens": 40, "total_tokens": 160}})
-        s = VllmStream().start().message("msg_00000000000000f2", [text]).complete()
+        s = VllmStream().start().message(f"msg_{len(self.bodies):016x}", [text]).complete()
         if not body.get("stream"):
             return httpx.Response(200, headers={"content-type": "application/json"}, content=s.nonstream_body())
         return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=s.body())
@@ -410,3 +412,67 @@ def test_compaction_over_the_chat_upstream_api(tmp_path: Path, meter: type[FakeM
         sent = up.bodies[-1]
         assert "messages" in sent and SUMMARY in json.dumps(sent["messages"])
         assert "encrypted_content" not in json.dumps(sent)
+
+
+# ------------------------------------------------------------------------------------ the Agents SDK as judge
+
+
+def test_agents_sdk_compaction_session_compacts_and_the_next_turn_accepts_it(
+        gateway: tuple[str, Upstream], tmp_path: Path) -> None:
+    """OpenAIResponsesCompactionSession calls client.responses.compact after a turn (its model-name check wants
+    an OpenAI name, which the gateway passes on as it is) and sends the compacted window on the next turn."""
+    from agents import Agent, OpenAIResponsesModel, RunConfig, Runner, SQLiteSession, set_tracing_disabled
+    from agents.memory import OpenAIResponsesCompactionSession
+
+    set_tracing_disabled(True)
+    url, up = gateway
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEY_A, max_retries=0)
+    agent = Agent(name="a", instructions="Be brief.", model=OpenAIResponsesModel("tiny", client))
+    config = RunConfig(tracing_disabled=True)
+
+    async def chat() -> tuple[list[Any], Any, list[Any]]:
+        session = OpenAIResponsesCompactionSession("s1", SQLiteSession("s1", str(tmp_path / "s.db")),
+                                                   client=client, model="gpt-4.1",
+                                                   should_trigger_compaction=lambda _ctx: True)
+        await Runner.run(agent, "FIRST-QUESTION", session=session, run_config=config)
+        compacted = await session.get_items()
+        second = await Runner.run(agent, "SECOND", session=session, run_config=config)
+        return compacted, second, await session.get_items()
+
+    compacted, second, _items = asyncio.run(chat())
+    assert any(isinstance(i, dict) and i.get("type") == "compaction" for i in compacted), compacted
+    assert second.final_output == "Done."
+    assert len(up.summarizations()) >= 1
+    turn2 = next(b for b in up.answers() if "SECOND" in _sent_text(b))
+    sent = _sent_text(turn2)
+    assert SUMMARY in sent and "encrypted_content" not in sent
+
+
+def test_agents_sdk_context_management_threshold(gateway: tuple[str, Upstream], meter: type[FakeMeter]) -> None:
+    """ModelSettings.context_management: the gateway compacts past the threshold; the SDK keeps the compaction
+    item and the next turn (store: false, the SDK's own input list) opens it into its summary."""
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, RunConfig, Runner, set_tracing_disabled
+
+    set_tracing_disabled(True)
+    url, up = gateway
+    meter.tokens = 5000
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEY_A, max_retries=0)
+    settings = ModelSettings(store=False, context_management=[{"type": "compaction", "compact_threshold": 4000}])
+    agent = Agent(name="a", instructions="Be brief.", model=OpenAIResponsesModel("tiny", client),
+                  model_settings=settings)
+    config = RunConfig(tracing_disabled=True)
+
+    async def chat() -> tuple[Any, Any]:
+        first = await Runner.run(agent, "FIRST-QUESTION", run_config=config)
+        meter.tokens = 10
+        second = await Runner.run(agent, [*first.to_input_list(), {"role": "user", "content": "SECOND"}],
+                                  run_config=config)
+        return first, second
+
+    first, second = asyncio.run(chat())
+    items = first.to_input_list()
+    assert any(isinstance(i, dict) and i.get("type") == "compaction" for i in items), items
+    assert second.final_output == "Done."
+    sent = _sent_text(up.bodies[-1])
+    assert SUMMARY in sent and "SECOND" in sent and "encrypted_content" not in sent
+    assert len(up.summarizations()) == 1
