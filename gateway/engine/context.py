@@ -127,7 +127,7 @@ class ContextMeter:
         upstream_body = build(body, history)
         if not self.could_reach(upstream_body, SMALLEST_WINDOW - reserve + 1):
             return Fitted(body, history)
-        model = body.get("model") if isinstance(body.get("model"), str) else ""
+        model = str(body["model"]) if isinstance(body.get("model"), str) else ""
         window = await self.window(model, headers)
         if window is None:
             return Fitted(body, history)

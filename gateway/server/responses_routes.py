@@ -13,9 +13,9 @@ from starlette.routing import Route
 
 from gateway.engine.record import RequestRecord
 from gateway.errors import InvalidRequest, NotFound
+from gateway.protocol.request import parse_request_body
 from gateway.server.admission import Handler
 from gateway.server.auth import request_owner
-from gateway.protocol.request import parse_request_body
 from gateway.server.http import OrjsonResponse, SseResponse, cancel_on_disconnect, list_query, read_body
 from gateway.server.responses_http import create_response as create_http_response
 from gateway.server.services import Services

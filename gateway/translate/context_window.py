@@ -15,8 +15,13 @@ from typing import Any
 
 import orjson
 
-__all__ = ["TEMPLATE_OVERHEAD_TOKENS", "PER_MESSAGE_TOKENS", "droppable_groups", "input_token_bound",
-           "tokenize_request"]
+__all__ = [
+    "PER_MESSAGE_TOKENS",
+    "TEMPLATE_OVERHEAD_TOKENS",
+    "droppable_groups",
+    "input_token_bound",
+    "tokenize_request",
+]
 
 # The bound of ``input_token_bound`` (see there): what a chat template adds around the rendered text. Role markers
 # and special tokens per message (``<|im_start|>user\n … <|im_end|>\n`` is 5 tokens; Llama 3's header 4–5) and a
@@ -98,11 +103,11 @@ def responses_messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
             else:
                 messages.append({"role": "assistant", "tool_calls": [call]})
         elif itype == "reasoning":
-            text = _first_text(item.get("content")) or _first_text(item.get("summary")) or ""
+            thought = _first_text(item.get("content")) or _first_text(item.get("summary")) or ""
             if prev is not None and prev.get("reasoning") is None:
-                prev["reasoning"] = text
+                prev["reasoning"] = thought
             else:
-                messages.append({"role": "assistant", "reasoning": text})
+                messages.append({"role": "assistant", "reasoning": thought})
         elif itype in ("function_call_output", "custom_tool_call_output"):
             messages.append({"role": "tool", "content": _text_parts(item.get("output")),
                              "tool_call_id": item.get("call_id")})
@@ -229,7 +234,7 @@ def droppable_groups(items: Sequence[Any]) -> list[list[int]]:
         if not isinstance(item, dict):
             continue
         itype = item.get("type")
-        if item.get("role") in _PINNED_ROLES and itype in (None, "message") or itype == "mcp_list_tools":
+        if (item.get("role") in _PINNED_ROLES and itype in (None, "message")) or itype == "mcp_list_tools":
             pinned.add(i)
             continue
         key: tuple[str, str] | None = None
