@@ -31,6 +31,7 @@ from pydantic import TypeAdapter
 from structlog.testing import capture_logs
 
 import gateway.server.app as app_module
+from gateway.engine.context import ContextMeter
 from gateway.engine.history import from_newest_compaction
 from gateway.translate.compaction_prompt import COMPACTION_INSTRUCTIONS, SUMMARY_PREFIX, render_transcript
 from gateway.translate.sealing import ReasoningSealer, parse_keys
@@ -79,12 +80,13 @@ def _is_summarization(body: Mapping[str, Any]) -> bool:
     return bool(messages) and messages[0].get("content") == COMPACTION_INSTRUCTIONS
 
 
-class FakeMeter:
-    """The context meter with a count the test sets; records what it was asked to count."""
+class FakeMeter(ContextMeter):
+    """The context meter with a count the test sets (and a 32k window); records what it was asked to count."""
 
     tokens = 0
 
-    def __init__(self) -> None:
+    def __init__(self, upstream: Any, **kw: Any) -> None:
+        super().__init__(upstream, **kw)
         self.counted: list[dict[str, Any]] = []
 
     async def window(self, model: str, headers: Mapping[str, str]) -> int | None:
@@ -174,8 +176,8 @@ def test_the_compaction_seal_is_its_own_purpose() -> None:
 
 
 def test_history_loads_from_the_newest_compaction_item() -> None:
-    a, c1, b, c2, d = ({"type": "message", "id": "a"}, {"type": "compaction", "id": "c1"},
-                       {"type": "message", "id": "b"}, {"type": "compaction", "id": "c2"}, {"type": "message", "id": "d"})
+    a, c1, b = {"type": "message", "id": "a"}, {"type": "compaction", "id": "c1"}, {"type": "message", "id": "b"}
+    c2, d = {"type": "compaction", "id": "c2"}, {"type": "message", "id": "d"}
     assert from_newest_compaction([a, c1, b, c2, d]) == [c2, d]
     assert from_newest_compaction([a, b]) == [a, b]
 

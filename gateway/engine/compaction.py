@@ -22,7 +22,7 @@ import structlog
 from gateway.config import Settings
 from gateway.engine.context import ContextMeter
 from gateway.engine.record import RequestRecord
-from gateway.errors import InvalidRequest
+from gateway.errors import GatewayError, InvalidRequest
 from gateway.runtime import new_id
 from gateway.translate.chat import build_chat_request
 from gateway.translate.compaction_prompt import (
@@ -95,10 +95,11 @@ def open_compactions(items: Sequence[Any], sealer: ReasoningSealer, owner: str |
     return out, None
 
 
-def rejected(record: RequestRecord, param: str) -> InvalidRequest:
+def rejected(record: RequestRecord | None, param: str) -> InvalidRequest:
     """The 400 for a compaction item that does not open, warned (no content) and counted."""
-    record.compaction_rejected += 1
-    log.warning("compaction_blob_rejected", request_id=record.request_id, param=param,
+    if record is not None:
+        record.compaction_rejected += 1
+    log.warning("compaction_blob_rejected", request_id=record.request_id if record else None, param=param,
                 reason="encrypted_content did not open with the configured key(s) for this API key")
     return InvalidRequest("The compaction item's encrypted_content could not be verified: it was not issued by this "
                           "gateway for this API key, or it was modified.", param=param,
@@ -153,6 +154,25 @@ class Compactor:
                                               extra=extra)
         return Compaction(self.seal(summary, owner), summary, usage)
 
+    def open_all(self, body: dict[str, Any], history: list[dict[str, Any]], owner: str | None,
+                 record: RequestRecord | None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """The request's input and history with every compaction item opened into its summary; a 400 (warned,
+        counted) for one that does not open."""
+        raw = body.get("input")
+        items = raw if isinstance(raw, list) else []
+        if not any(map(is_compaction, [*history, *items])):
+            return body, history
+        sealer = self.sealer()
+        opened, bad = open_compactions(items, sealer, owner)
+        if bad is not None:
+            raise rejected(record, f"input[{bad}].encrypted_content")
+        if isinstance(raw, list):
+            body = {**body, "input": opened}
+        opened, bad = open_compactions(history, sealer, owner)
+        if bad is not None:  # a stored item that no longer opens (its key was removed)
+            raise rejected(record, "conversation" if body.get("conversation") else "previous_response_id")
+        return body, opened
+
     async def prepare(self, body: dict[str, Any], history: list[dict[str, Any]], state: RequestState,
                       headers: Mapping[str, str], record: RequestRecord, owner: str | None,
                       meter: ContextMeter | None, count_body: Callable[[dict[str, Any], list[dict[str, Any]]],
@@ -178,17 +198,10 @@ class Compactor:
         body = {k: v for k, v in body.items() if k != "context_management"}
         if not (trigger or threshold is not None or any(map(is_compaction, [*history, *items]))):
             return body, history, state, False
-        sealer = self.sealer()
-        opened, bad = open_compactions(items, sealer, owner)
-        if bad is not None:
-            raise rejected(record, f"input[{bad}].encrypted_content")
-        items = opened
-        opened, bad = open_compactions(history, sealer, owner)
-        if bad is not None:  # a stored item that no longer opens (its key was removed)
-            raise rejected(record, "conversation" if body.get("conversation") else "previous_response_id")
-        history = opened
         if isinstance(raw, list):
             body = {**body, "input": items}
+        body, history = self.open_all(body, history, owner, record)
+        items = body["input"] if isinstance(raw, list) else []
         model, instructions = body.get("model"), body.get("instructions")
         instructions = instructions if isinstance(instructions, str) else None
         extra = {"x-request-id": record.request_id}
@@ -200,7 +213,13 @@ class Compactor:
         if threshold is None or meter is None:
             return body, history, state, False
         up = count_body(body, history)
-        if not meter.could_reach(up, threshold) or await meter.count(up, headers) < threshold:
+        if not meter.could_reach(up, threshold):
+            return body, history, state, False
+        try:
+            if await meter.count(up, headers) < threshold:
+                return body, history, state, False
+        except GatewayError as exc:  # counting failed: no compaction this turn (the window check judges)
+            log.warning("compaction_count_failed", request_id=record.request_id, status=exc.status, error=exc.code)
             return body, history, state, False
         context = [*history, *([{"type": "message", "role": "user", "content": raw}] if isinstance(raw, str)
                                else items)]

@@ -17,7 +17,7 @@ from gateway.enforce.constrain import ContentAsCall
 from gateway.enforce.plan import Plan, Violation, plan_for, violation_response
 from gateway.engine.background import BackgroundRuns, RunIdentity
 from gateway.engine.compaction import Compactor, UpstreamRefused, compact_endpoint
-from gateway.engine.context import ContextMeter
+from gateway.engine.context import ContextMeter, Fitted
 from gateway.engine.drain import Drain
 from gateway.engine.enforcer import Enforcer, Guard, StepError
 from gateway.engine.history import (
@@ -81,7 +81,7 @@ class ResponsesHandler:
     sealer: ReasoningSealer | None = None
     # Background mode (gateway.engine.background); None (no store): background=true is refused.
     background: BackgroundRuns | None = None
-    # Counts the prompt as vLLM will (gateway.engine.context): context_management's compaction threshold.
+    # Token counts and the context window (gateway.engine.context); None: no window checks, no truncation.
     meter: ContextMeter | None = None
     _compactor: Compactor | None = None
 
@@ -119,7 +119,8 @@ class ResponsesHandler:
         # context_management threshold compacts the context into a compaction item first in the output.
         try:
             body, history, state, only = await self.compactor().prepare(
-                body, history, state, headers, record, owner, self.meter, functools.partial(self._upstream_body, ctx))
+                body, history, state, headers, record, owner, self.meter,
+                functools.partial(self._upstream_body, ctx=ctx))
         except UpstreamRefused as exc:
             record.upstream_error = f"http_{exc.status}"
             return Answered(exc.payload, exc.status)
@@ -128,6 +129,8 @@ class ResponsesHandler:
         extra = {"x-request-id": record.request_id}
         if body.get("generate") is False:
             return await self._no_generation(state, record, persist)
+        fitted = await self._fit(body, state.ctx, history, headers)
+        body, history = fitted.body, fitted.history
         if ctx.mcp_tools:
             return await self._mcp(body, state, record, persist, history, headers, extra, owner)
         plan = plan_for(ctx, self.settings.tool_choice_enforcement)
@@ -163,12 +166,45 @@ class ResponsesHandler:
             self._compactor = Compactor(self.settings, self.upstream, self.reasoning_sealer)
         return self._compactor
 
-    def _upstream_body(self, ctx: ResolvedToolContext, body: dict[str, Any], history: list[dict[str, Any]]
-                       ) -> dict[str, Any]:
-        """The body the configured upstream API would get (what the context meter counts)."""
+    async def _fit(self, body: dict[str, Any], ctx: ResolvedToolContext, history: list[dict[str, Any]],
+                   headers: Mapping[str, str]) -> Fitted:
+        """The request as it fits the model's window (``truncation``), answered before anything goes upstream."""
+        if self.meter is None:
+            return Fitted(body, history)
+        return await self.meter.fit(body, history, functools.partial(self._upstream_body, ctx=ctx), headers)
+
+    def _upstream_body(self, body: dict[str, Any], history: list[dict[str, Any]], *,
+                       ctx: ResolvedToolContext) -> dict[str, Any]:
+        """The body the configured upstream API gets for ``body`` over ``history``."""
         if self.settings.upstream_api == "chat":
             return build_chat_request(body, ctx, history)
         return build_upstream_request(body, ctx, history)
+
+    async def input_tokens(self, body: dict[str, Any], headers: Mapping[str, str], owner: str | None) -> int:
+        """``POST /v1/responses/input_tokens``: the input tokens the request would have upstream, its history
+        (``previous_response_id``, ``conversation``, item references) loaded as for a response and
+        ``truncation: "auto"`` applied; counted by vLLM's ``/tokenize``."""
+        if self.meter is None:
+            raise GatewayError("Token counting is not available on this gateway.", status=501,
+                               type="server_error", code="not_implemented")
+        budget = HistoryBudget(self.settings.max_history_bytes)
+        body = await resolve_references(self.store, body, owner, budget)
+        ctx = resolve_tool_context(body)
+        history = await resolve_history(self.store, body, owner, None, budget)
+        raw = body.get("input")
+        if any(isinstance(i, dict) and i.get("type") == "reasoning" and i.get("encrypted_content")
+               for i in [*history, *(raw if isinstance(raw, list) else ())]):
+            sealer = self.reasoning_sealer()
+            if isinstance(raw, list):
+                body = {**body, "input": open_sealed_reasoning(raw, sealer, owner)[0]}
+            history = open_sealed_reasoning(history, sealer, owner)[0]
+        body, history = self.compactor().open_all(body, history, owner, None)  # counted as their summaries
+        if body.get("truncation") == "auto":
+            fitted = await self._fit(body, ctx, history, headers)
+            if fitted.input_tokens is not None:
+                return fitted.input_tokens
+            body, history = fitted.body, fitted.history
+        return await self.meter.count(self._upstream_body(body, history, ctx=ctx), headers)
 
     async def _produce_run(self, body: dict[str, Any], headers: Mapping[str, str], owner: str | None,
                            record: RequestRecord, run: RunIdentity) -> Outcome:

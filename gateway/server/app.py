@@ -18,8 +18,8 @@ from starlette.websockets import WebSocket
 
 from gateway.config import Settings
 from gateway.engine.background import BackgroundRuns
-from gateway.engine.drain import Drain
 from gateway.engine.context import ContextMeter
+from gateway.engine.drain import Drain
 from gateway.engine.respond import ResponsesHandler
 from gateway.engine.tool_loop import LazyMcpHub, McpHub
 from gateway.server.admission import Admission
@@ -100,7 +100,7 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
         services.current = Services(upstream=upstream, store=st, background=runs,
                                     responses=ResponsesHandler(settings=keyed, upstream=upstream, store=st,
                                                                drain=drain, mcp=hub, background=runs,
-                                                               meter=ContextMeter()))
+                                                               meter=ContextMeter(upstream)))
         app.state.services = services.current
         try:
             yield
