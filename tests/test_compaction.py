@@ -396,6 +396,28 @@ def test_a_compaction_trigger_makes_a_response_of_one_compaction_item(gateway: t
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "input[0]"
 
 
+def test_a_conversation_keeps_its_compaction_item_and_loads_from_it(gateway: tuple[str, Upstream]) -> None:
+    url, up = gateway
+    with client(url) as a, client(url, KEY_B) as b:
+        cid = a.post("/v1/conversations", json={"items": HISTORY[:1]}).json()["id"]
+        a.post("/v1/responses", json={"model": "tiny", "conversation": cid, "input": "OLD-TURN"}).raise_for_status()
+        r = a.post("/v1/responses", json={"model": "tiny", "conversation": cid,
+                                          "input": [{"type": "compaction_trigger"}]})
+        assert r.status_code == 200, r.text
+        assert "OLD-TURN" in _sent_text(up.summarizations()[0])
+        items = a.get(f"/v1/conversations/{cid}/items", params={"order": "asc"}).json()["data"]
+        compaction = [i for i in items if i["type"] == "compaction"]
+        assert len(compaction) == 1 and compaction[0]["encrypted_content"] == r.json()["output"][0]["encrypted_content"]
+        a.post("/v1/responses", json={"model": "tiny", "conversation": cid, "input": "NEW-TURN"}).raise_for_status()
+        sent = _sent_text(up.bodies[-1])
+        assert SUMMARY in sent and "NEW-TURN" in sent and "OLD-TURN" not in sent and "Patch utils.py" not in sent
+        # another key can neither list it nor use it by reference
+        assert b.get(f"/v1/conversations/{cid}/items").status_code == 404
+        ref = b.post("/v1/responses", json={"model": "tiny", "input": [{"type": "item_reference",
+                                                                       "id": compaction[0]["id"]}]})
+        assert ref.status_code == 400 and ref.json()["error"]["code"] == "item_not_found"
+
+
 # ------------------------------------------------------------------------------------ the chat upstream
 
 
