@@ -12,6 +12,7 @@ import asyncio
 import base64
 import json
 import os
+import threading
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -349,6 +350,61 @@ def test_context_management_above_the_threshold_compacts_first(gateway: tuple[st
         sent = _sent_text(up.bodies[-1])
         assert SUMMARY in sent and "more" in sent and "Patch utils.py" not in sent
         assert item["encrypted_content"] not in sent and len(up.summarizations()) == 1
+
+
+class HeldSummary(Upstream):
+    """Holds the summarization turn until the test releases it (or answers it with ``refuse``'s 400)."""
+
+    def __init__(self, refuse: bool = False) -> None:
+        super().__init__()
+        self.release = threading.Event()
+        self.refuse = refuse
+
+    async def handle(self, request: httpx.Request) -> httpx.Response:
+        if _is_summarization(json.loads(request.content)):
+            await asyncio.to_thread(self.release.wait, 60)
+            if self.refuse:
+                self.bodies.append(json.loads(request.content))
+                return httpx.Response(400, json={"error": {"message": "This model's maximum context length is 2048",
+                                                           "type": "BadRequestError", "code": 400}})
+        return self(request)
+
+
+@pytest.mark.parametrize("refuse", [False, True])
+def test_a_streamed_compaction_is_announced_before_the_summary_is_written(tmp_path: Path, meter: type[FakeMeter],
+                                                                           refuse: bool) -> None:
+    up = HeldSummary(refuse)
+    meter.tokens = 5000
+    with fresh_store("sqlite", tmp_path) as st, running_gateway(transport=httpx.MockTransport(up.handle),
+                                                                 store=st) as url:
+        body = {"model": "tiny", "input": HISTORY, "stream": True,
+                "context_management": [{"type": "compaction", "compact_threshold": 4000}]}
+        with httpx.stream("POST", url + "/v1/responses", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            seen: list[str] = []
+            for line in lines:  # the opening arrives while the summarization turn is still held upstream
+                seen.append(line)
+                if "response.compaction.compacting" in line and line.startswith("data:"):
+                    break
+            assert not up.release.is_set()
+            up.release.set()
+            rest = list(lines)
+    events = sse_events(("\n".join([*seen, *rest]) + "\n").encode())
+    check_stream(events)
+    for e in events:
+        EVENTS.validate_python(_sdk_usage(e))
+    added = events[2]
+    assert added["type"] == "response.output_item.added" and added["item"]["encrypted_content"] == ""
+    final = events[-1]["response"]
+    if refuse:  # the stream had begun: it ends with response.failed carrying the upstream's reason
+        assert events[-1]["type"] == "response.failed" and "maximum context length" in final["error"]["message"]
+        assert up.answers() == []
+    else:
+        done = events[4]
+        assert done["type"] == "response.output_item.done" and done["item"]["id"] == added["item"]["id"]
+        assert done["item"]["encrypted_content"] and final["output"][0] == done["item"]
+        assert events[-1]["type"] == "response.completed" and len(up.answers()) == 1
 
 
 def test_context_management_is_checked(gateway: tuple[str, Upstream]) -> None:

@@ -40,7 +40,7 @@ from gateway.upstream.client import UpstreamClient
 
 log = structlog.get_logger("gateway.compaction")
 
-__all__ = ["PURPOSE", "Compactor", "UpstreamRefused", "compact_threshold", "open_compactions"]
+__all__ = ["PURPOSE", "Compactor", "Pending", "UpstreamRefused", "compact_threshold", "open_compactions"]
 
 PURPOSE = "compaction"
 _SUMMARY_BYTES = 256 * 1024  # the most of a summary the gateway seals (a runaway model is cut, not stored whole)
@@ -122,8 +122,7 @@ class Compactor:
     sealer: Callable[[], ReasoningSealer]
 
     async def summarize(self, items: Sequence[Any], *, model: Any, instructions: str | None,
-                        headers: Mapping[str, str], extra: Mapping[str, str] | None = None
-                        ) -> tuple[str, dict[str, Any]]:
+                        headers: Mapping[str, str]) -> tuple[str, dict[str, Any]]:
         """The summarization turn on the configured upstream API: its text and usage. UpstreamRefused when the
         upstream answers with an error."""
         body: dict[str, Any] = {"model": model, "instructions": COMPACTION_INSTRUCTIONS,
@@ -143,15 +142,14 @@ class Compactor:
         text, usage = _chat_summary(payload) if chat else _responses_summary(payload)
         return text.strip()[:_SUMMARY_BYTES], usage
 
-    def seal(self, summary: str, owner: str | None) -> dict[str, Any]:
-        item_id = new_id("cmp")
+    def seal(self, summary: str, owner: str | None, item_id: str | None = None) -> dict[str, Any]:
+        item_id = item_id or new_id("cmp")
         blob = self.sealer().seal({"id": item_id, "content": [{"text": summary}]}, owner, purpose=PURPOSE)
         return {"type": "compaction", "id": item_id, "encrypted_content": blob}
 
     async def compact(self, items: Sequence[Any], *, owner: str | None, model: Any, instructions: str | None,
-                      headers: Mapping[str, str], extra: Mapping[str, str] | None = None) -> Compaction:
-        summary, usage = await self.summarize(items, model=model, instructions=instructions, headers=headers,
-                                              extra=extra)
+                      headers: Mapping[str, str]) -> Compaction:
+        summary, usage = await self.summarize(items, model=model, instructions=instructions, headers=headers)
         return Compaction(self.seal(summary, owner), summary, usage)
 
     def open_all(self, body: dict[str, Any], history: list[dict[str, Any]], owner: str | None,
@@ -173,16 +171,14 @@ class Compactor:
             raise rejected(record, "conversation" if body.get("conversation") else "previous_response_id")
         return body, opened
 
-    async def prepare(self, body: dict[str, Any], history: list[dict[str, Any]], state: RequestState,
-                      headers: Mapping[str, str], record: RequestRecord, owner: str | None,
-                      meter: ContextMeter | None, count_body: Callable[[dict[str, Any], list[dict[str, Any]]],
-                                                                       dict[str, Any]]
-                      ) -> tuple[dict[str, Any], list[dict[str, Any]], RequestState, bool]:
-        """A ``POST /v1/responses`` request's compaction work, before anything else goes upstream: compaction
-        items in the input and history opened into their summaries; a final ``compaction_trigger`` or a
-        ``context_management`` threshold the input passes compacts the whole context into one compaction item
-        (``state.lead``, first in the output). The last value: True when the response is that compaction alone
-        (a trigger: nothing else is generated). ``count_body``: the upstream body the meter counts."""
+    async def prepare(self, body: dict[str, Any], history: list[dict[str, Any]], headers: Mapping[str, str],
+                      record: RequestRecord, owner: str | None, meter: ContextMeter | None,
+                      count_body: Callable[[dict[str, Any], list[dict[str, Any]]], dict[str, Any]]
+                      ) -> tuple[dict[str, Any], list[dict[str, Any]], Pending | None]:
+        """A ``POST /v1/responses`` request's compaction work that sends nothing upstream: compaction items in the
+        input and history opened into their summaries, ``context_management`` read (and kept from vLLM), and
+        whether this response compacts — a final ``compaction_trigger``, or a threshold the input reaches
+        (``count_body``: the upstream body the meter counts). ``run`` then makes the compaction."""
         raw = body.get("input")
         items: list[Any] = list(raw) if isinstance(raw, list) else []
         threshold = compact_threshold(body)
@@ -197,40 +193,60 @@ class Compactor:
             items = items[:-1]
         body = {k: v for k, v in body.items() if k != "context_management"}
         if not (trigger or threshold is not None or any(map(is_compaction, [*history, *items]))):
-            return body, history, state, False
+            return body, history, None
         if isinstance(raw, list):
             body = {**body, "input": items}
         body, history = self.open_all(body, history, owner, record)
         items = body["input"] if isinstance(raw, list) else []
-        model, instructions = body.get("model"), body.get("instructions")
-        instructions = instructions if isinstance(instructions, str) else None
-        extra = {"x-request-id": record.request_id}
-        if trigger:
-            made = await self.compact([*history, *items], owner=owner, model=model, instructions=instructions,
-                                      headers=headers, extra=extra)
-            record.compactions += 1
-            return body, [], replace(state, lead=(made.item,), lead_usage=made.usage), True
-        if threshold is None or meter is None:
-            return body, history, state, False
-        up = count_body(body, history)
-        if not meter.could_reach(up, threshold):
-            return body, history, state, False
-        try:
-            if await meter.count(up, headers) < threshold:
-                return body, history, state, False
-        except GatewayError as exc:  # counting failed: no compaction this turn (the window check judges)
-            log.warning("compaction_count_failed", request_id=record.request_id, status=exc.status, error=exc.code)
-            return body, history, state, False
+        if not trigger:
+            if threshold is None or meter is None:
+                return body, history, None
+            up = count_body(body, history)
+            if not meter.could_reach(up, threshold):
+                return body, history, None
+            try:
+                if await meter.count(up, headers) < threshold:
+                    return body, history, None
+            except GatewayError as exc:  # counting failed: no compaction this turn (the window check judges)
+                log.warning("compaction_count_failed", request_id=record.request_id, status=exc.status,
+                            error=exc.code)
+                return body, history, None
         context = [*history, *([{"type": "message", "role": "user", "content": raw}] if isinstance(raw, str)
                                else items)]
-        made = await self.compact(context, owner=owner, model=model, instructions=instructions, headers=headers,
-                                  extra=extra)
+        return body, history, Pending(context, trigger, new_id("cmp"))
+
+    async def run(self, pending: Pending, body: dict[str, Any], state: RequestState, headers: Mapping[str, str],
+                  record: RequestRecord, owner: str | None) -> tuple[dict[str, Any], RequestState]:
+        """The compaction ``prepare`` found due: the summarization turn, its sealed item first in the output
+        (``state.lead``, its cost in ``lead_usage``) and, unless it was a trigger, the body the model answers
+        from — the summary, then the current task from its last user message on. The history is spent: the
+        compaction item replaces all of it (a later turn loads from that item on). UpstreamRefused when the
+        upstream refuses the summarization turn."""
+        instructions = body.get("instructions")
+        summary, usage = await self.summarize(pending.context, model=body.get("model"),
+                                              instructions=instructions if isinstance(instructions, str) else None,
+                                              headers=headers)
         record.compactions += 1
-        # The compaction item replaces all of the context before it (the next turn loads from it on); this turn
-        # answers from its summary and the current task's messages from its last user message on.
-        tail = context[_last_user_message(context):]
-        body = {**body, "input": [summary_message(made.summary), *tail]}
-        return body, [], replace(state, lead=(made.item,), lead_usage=made.usage), False
+        item = self.seal(summary, owner, pending.item_id)
+        state = replace(state, lead=(item,), lead_usage=usage)
+        if not pending.trigger:
+            tail = pending.context[_last_user_message(pending.context):]
+            body = {**body, "input": [summary_message(summary), *tail]}
+        return body, state
+
+
+@dataclass(frozen=True, slots=True)
+class Pending:
+    """A compaction a response is to make: the context it replaces, whether it is the whole response (a
+    trigger), and the id its item will have (announced before it is made)."""
+
+    context: list[Any]
+    trigger: bool
+    item_id: str
+
+    def placeholder(self) -> dict[str, Any]:
+        """The item as announced while the summary is written (its blob comes with its done event)."""
+        return {"type": "compaction", "id": self.item_id, "encrypted_content": ""}
 
 
 def _last_user_message(items: Sequence[Any]) -> int:
@@ -304,8 +320,7 @@ async def compact_endpoint(compactor: Compactor, body: Mapping[str, Any], owner:
     if bad is not None:
         raise rejected(record, "previous_response_id")
     made = await compactor.compact([*opened_history, *opened], owner=owner, model=body["model"],
-                                   instructions=instructions, headers=headers,
-                                   extra={"x-request-id": record.request_id})
+                                   instructions=instructions, headers=headers)
     record.compactions += 1
     record.usage = made.usage
     kept = [_as_output_message(m) for m in user_messages([*earlier, *items])]

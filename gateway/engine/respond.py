@@ -16,7 +16,7 @@ from gateway.config import Settings
 from gateway.enforce.constrain import ContentAsCall
 from gateway.enforce.plan import Plan, Violation, plan_for, violation_response
 from gateway.engine.background import BackgroundRuns, RunIdentity
-from gateway.engine.compaction import Compactor, UpstreamRefused, compact_endpoint
+from gateway.engine.compaction import Compactor, Pending, UpstreamRefused, compact_endpoint
 from gateway.engine.context import ContextMeter, Fitted
 from gateway.engine.drain import Drain
 from gateway.engine.enforcer import Enforcer, Guard, StepError
@@ -117,14 +117,25 @@ class ResponsesHandler:
         body, history, state = self._reasoning(body, history, state, record, owner)
         # Compaction (gateway.engine.compaction): compaction items opened into their summaries; a trigger or a
         # context_management threshold compacts the context into a compaction item first in the output.
-        try:
-            body, history, state, only = await self.compactor().prepare(
-                body, history, state, headers, record, owner, self.meter,
-                functools.partial(self._upstream_body, ctx=ctx))
-        except UpstreamRefused as exc:
-            record.upstream_error = f"http_{exc.status}"
-            return Answered(exc.payload, exc.status)
-        if only:  # a compaction_trigger: the response is the compaction item
+        body, history, pending = await self.compactor().prepare(body, history, headers, record, owner, self.meter,
+                                                                functools.partial(self._upstream_body, ctx=ctx))
+        if pending is not None and record.stream:  # the client hears at once; the summary comes with the stream
+            return Streamed(self._compacting(pending, body, state, headers, record, persist, owner))
+        if pending is not None:
+            try:
+                body, state = await self.compactor().run(pending, body, state, headers, record, owner)
+            except UpstreamRefused as exc:
+                record.upstream_error = f"http_{exc.status}"
+                return Answered(exc.payload, exc.status)
+            return await self._answer(body, [], state, headers, record, persist, owner, only=pending.trigger)
+        return await self._answer(body, history, state, headers, record, persist, owner)
+
+    async def _answer(self, body: dict[str, Any], history: list[dict[str, Any]], state: RequestState,
+                      headers: Mapping[str, str], record: RequestRecord, persist: Persist | None, owner: str | None,
+                      *, only: bool = False) -> Outcome:
+        """The response from its resolved request on: ``only`` (a compaction_trigger), the compaction alone."""
+        ctx = state.ctx
+        if only:
             return await self._no_generation(state, record, persist)
         extra = {"x-request-id": record.request_id}
         if body.get("generate") is False:
@@ -160,6 +171,39 @@ class ResponsesHandler:
         except UpstreamRefused as exc:
             record.upstream_error = f"http_{exc.status}"
             return Answered(exc.payload, exc.status)
+
+    async def _compacting(self, pending: Pending, body: dict[str, Any], state: RequestState,
+                          headers: Mapping[str, str], record: RequestRecord, persist: Persist | None,
+                          owner: str | None) -> AsyncIterator[list[ClientEvent]]:
+        """A streamed response that compacts first: created, in_progress and the compaction item's added and
+        ``response.compaction.compacting`` now, then the summarization turn, then the rest of the response
+        numbered on from there (its translator finishes the item). A failure after the stream began ends it with
+        ``response.failed``."""
+        opening = FunctionSseTranslator(state, ids=new_id)
+        frames = opening.announce([pending.placeholder()])
+        record.ttfb = time.perf_counter() - record.started
+        yield frames
+        try:
+            body, state = await self.compactor().run(pending, body, state, headers, record, owner)
+            state = replace(state, lead_announced=opening.sequence)
+            outcome = await self._answer(body, [], state, headers, record, persist, owner, only=pending.trigger)
+        except UpstreamRefused as exc:
+            record.upstream_error = f"http_{exc.status}"
+            outcome = Answered(exc.payload, exc.status)
+        except GatewayError as exc:
+            record.response_status = "failed"
+            # The stream began with a 200: the error's status becomes one of the codes a failed response may carry.
+            yield opening.fail("invalid_prompt" if exc.status < 500 else "server_error", exc.message)
+            return
+        if isinstance(outcome, Answered):  # refused before its stream began: the stream ends failed
+            error = outcome.payload.get("error") if isinstance(outcome.payload, dict) else None
+            error = error if isinstance(error, dict) else {}
+            record.response_status = "failed"
+            yield opening.fail("invalid_prompt" if outcome.status < 500 else "server_error",
+                               str(error.get("message") or f"The upstream answered {outcome.status}."))
+            return
+        async for out in outcome.events:
+            yield out
 
     def compactor(self) -> Compactor:
         if self._compactor is None:
