@@ -19,7 +19,12 @@ import orjson
 import structlog
 
 from gateway.errors import ContextLengthExceeded, GatewayError, InvalidRequest
-from gateway.translate.context_window import droppable_groups, input_token_bound, tokenize_request
+from gateway.translate.context_window import (
+    droppable_groups,
+    input_token_bound,
+    request_token_bound,
+    tokenize_request,
+)
 from gateway.upstream.client import UpstreamClient
 
 __all__ = ["SMALLEST_WINDOW", "ContextMeter", "Fitted"]
@@ -124,6 +129,8 @@ class ContextMeter:
         max_out = body.get("max_output_tokens")
         # vLLM refuses a prompt of max_model_len tokens or more; with max_output_tokens it must leave that much.
         reserve = max_out if isinstance(max_out, int) and not isinstance(max_out, bool) and max_out > 0 else 1
+        if request_token_bound(body, history) < SMALLEST_WINDOW - reserve + 1:
+            return Fitted(body, history)  # an ordinary request: not even the upstream body is built for it
         upstream_body = build(body, history)
         if not self.could_reach(upstream_body, SMALLEST_WINDOW - reserve + 1):
             return Fitted(body, history)
