@@ -101,7 +101,7 @@ def test_ordinary_small_requests_ask_nothing_about_the_context(upstream: Upstrea
 
 def test_a_request_that_could_reach_the_smallest_window_asks_the_window_once_and_counts_only_near_it(
         upstream: Upstream) -> None:
-    medium = {"model": "tiny", "input": "x" * 3000}  # its bound passes 2048 tokens; far below 32768
+    medium = {"model": "tiny", "input": "x" * 6000}  # its bound passes 8192 tokens; far below 32768
     with gateway(upstream) as url:
         assert post(url, medium).status_code == 200
         assert post(url, medium).status_code == 200
@@ -137,7 +137,7 @@ def test_a_too_long_disabled_request_is_a_400_and_nothing_is_generated() -> None
     up = Upstream(window=4096)
     with gateway(up) as url:
         r = post(url, {"model": "tiny", "input": "word " * 8000})
-        r_out = post(url, {"model": "tiny", "input": "short " * 300, "max_output_tokens": 4000,
+        r_out = post(url, {"model": "tiny", "input": "short " * 400, "max_output_tokens": 6000,
                            "truncation": "disabled"})
         client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
         with pytest.raises(openai.BadRequestError) as exc:
