@@ -104,7 +104,7 @@ def test_live_counts_equal_vllms_own_usage(api: str) -> None:
         counted, usage = _count_and_generate(url)
     assert counted == usage
     paths = [httpx.URL(e["request"]["uri"]).path for e in recorder.exchanges]
-    assert paths.count("/tokenize") == 1  # the generation's own check reused the count
+    assert paths.count("/tokenize") == 1  # the endpoint counted; the generation (below the guarded bound) did not
     assert paths[-1] == ("/v1/chat/completions" if api == "chat" else "/v1/responses")
     if os.environ.get("GATEWAY_RECORD_CONTEXT_CASSETTES") == "1":
         recorder.write(CASSETTES / "vllm" / f"context_count_{api}.yaml", api, counted, usage)

@@ -21,7 +21,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.store import SqliteResponseStore
-from gateway.translate.context_window import droppable_groups, input_token_bound, tokenize_request
+from gateway.translate.context_window import (
+    droppable_groups,
+    input_token_bound,
+    request_token_bound,
+    tokenize_request,
+)
 from gateway.upstream.replay import load_cassette
 from tests.support import cassette, running_gateway
 
@@ -96,7 +101,7 @@ def test_ordinary_small_requests_ask_nothing_about_the_context(upstream: Upstrea
 
 def test_a_request_that_could_reach_the_smallest_window_asks_the_window_once_and_counts_only_near_it(
         upstream: Upstream) -> None:
-    medium = {"model": "tiny", "input": "x" * 3000}  # its bound passes 2048 tokens; far below 32768
+    medium = {"model": "tiny", "input": "x" * 6000}  # its bound passes 8192 tokens; far below 32768
     with gateway(upstream) as url:
         assert post(url, medium).status_code == 200
         assert post(url, medium).status_code == 200
@@ -132,7 +137,7 @@ def test_a_too_long_disabled_request_is_a_400_and_nothing_is_generated() -> None
     up = Upstream(window=4096)
     with gateway(up) as url:
         r = post(url, {"model": "tiny", "input": "word " * 8000})
-        r_out = post(url, {"model": "tiny", "input": "short " * 300, "max_output_tokens": 4000,
+        r_out = post(url, {"model": "tiny", "input": "short " * 400, "max_output_tokens": 6000,
                            "truncation": "disabled"})
         client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
         with pytest.raises(openai.BadRequestError) as exc:
@@ -299,7 +304,7 @@ def _approval_id(item: dict[str, Any]) -> Any:
     return item.get("id") if item["type"] == "mcp_approval_request" else item.get("approval_request_id")
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(st.lists(_ITEM, max_size=25))
 def test_dropping_any_prefix_of_the_groups_never_splits_a_pair_nor_drops_the_frame(items: list[dict[str, Any]]
                                                                                  ) -> None:
@@ -322,7 +327,7 @@ def test_dropping_any_prefix_of_the_groups_never_splits_a_pair_nor_drops_the_fra
             assert not ids_gone & {ident(it) for it in kept}  # a pair is dropped whole
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(st.lists(_ITEM, max_size=25), st.text(max_size=200))
 def test_the_byte_bound_is_above_the_scripted_rendering_and_grows_with_the_input(items: list[dict[str, Any]],
                                                                                  extra: str) -> None:
@@ -355,3 +360,42 @@ def test_the_meters_caches_are_bounded() -> None:
     meter = asyncio.run(run())
     assert len(meter._windows) == 2 and len(meter._counts) == 3
     assert up.paths().count("/tokenize") == 10
+
+
+_TOOLS = st.lists(st.one_of(
+    st.builds(lambda n, d: {"type": "function", "name": f"f{n}", "description": d,
+                            "parameters": {"type": "object", "properties": {"a": {"type": "string"}}}},
+              st.integers(0, 3), st.text(max_size=30)),
+    st.builds(lambda n, g: {"type": "custom", "name": f"c{n}",
+                            "format": {"type": "grammar", "syntax": "lark", "definition": g}},
+              st.integers(0, 3), st.text(max_size=60)),
+    st.builds(lambda n: {"type": "custom", "name": f"p{n}"}, st.integers(0, 3))), max_size=4,
+    unique_by=lambda t: t["name"])
+_CALLS = st.lists(st.one_of(
+    st.builds(lambda c, i: {"type": "custom_tool_call", "call_id": f"c{c}", "name": "p0", "input": i},
+              st.integers(0, 5), st.text(max_size=80)),
+    st.builds(lambda c: {"type": "function_call", "call_id": f"c{c}", "name": "f0", "arguments": "{\"a\": \"\\n\"}"},
+              st.integers(0, 5)),
+    st.builds(lambda c, o: {"type": "custom_tool_call_output", "call_id": f"c{c}", "output": o},
+              st.integers(0, 5), st.text(max_size=40)),
+    st.builds(lambda t: {"type": "message", "role": "user", "content": [{"type": "input_text", "text": t}]},
+              st.text(max_size=40)),
+    st.just({"type": "reasoning", "summary": [], "encrypted_content": None})), max_size=12)
+
+
+@settings(max_examples=100, deadline=None)
+@given(_TOOLS, _CALLS, _CALLS, st.one_of(st.none(), st.text(max_size=40)))
+def test_the_request_bound_covers_the_upstream_body_on_both_apis(tools: list[dict[str, Any]],
+                                                                 history: list[dict[str, Any]],
+                                                                 new: list[dict[str, Any]], text: str | None) -> None:
+    """The shortcut that skips building the upstream body for small requests never under-estimates it."""
+    from gateway.translate.chat import build_chat_request
+    from gateway.translate.rewrite import build_upstream_request
+    from gateway.translate.tool_context import resolve_tool_context
+
+    body: dict[str, Any] = {"model": "tiny", "input": text if text is not None else new, "tools": tools,
+                            "instructions": "Be brief."}
+    ctx = resolve_tool_context(body)
+    quick = request_token_bound(body, history)
+    assert quick >= input_token_bound(build_upstream_request(body, ctx, history))
+    assert quick >= input_token_bound(build_chat_request(body, ctx, history))

@@ -19,17 +19,23 @@ import orjson
 import structlog
 
 from gateway.errors import ContextLengthExceeded, GatewayError, InvalidRequest
-from gateway.translate.context_window import droppable_groups, input_token_bound, tokenize_request
+from gateway.translate.context_window import (
+    droppable_groups,
+    input_token_bound,
+    request_token_bound,
+    tokenize_request,
+)
 from gateway.upstream.client import UpstreamClient
 
 __all__ = ["SMALLEST_WINDOW", "ContextMeter", "Fitted"]
 
 log = structlog.get_logger("gateway.context")
 
-# No model worth guarding serves fewer tokens than this: a request whose byte bound stays below it (with its
-# max_output_tokens) fits any window, and the gateway asks nothing (not even the window). A model with a smaller
-# window still refuses an oversized prompt itself (vLLM's own 400).
-SMALLEST_WINDOW = 2048
+# The smallest window the gateway guards. A request whose byte bound (with its max_output_tokens) stays below it
+# fits any model served for agents (Llama 3's 8k, Qwen's and Mistral's 32k and more), and the gateway asks nothing,
+# not even the window: ordinary requests make no upstream call of their own. A model with a smaller window (the
+# 2048-token test model) is guarded only for requests past this bound; below it vLLM's own 400 stands.
+SMALLEST_WINDOW = 8192
 # Bounds on what the meter keeps: windows per model name, counts per rendered prompt (a digest and an int each).
 MAX_MODELS = 64
 MAX_COUNTS = 4096
@@ -124,6 +130,8 @@ class ContextMeter:
         max_out = body.get("max_output_tokens")
         # vLLM refuses a prompt of max_model_len tokens or more; with max_output_tokens it must leave that much.
         reserve = max_out if isinstance(max_out, int) and not isinstance(max_out, bool) and max_out > 0 else 1
+        if request_token_bound(body, history) < SMALLEST_WINDOW - reserve + 1:
+            return Fitted(body, history)  # an ordinary request: not even the upstream body is built for it
         upstream_body = build(body, history)
         if not self.could_reach(upstream_body, SMALLEST_WINDOW - reserve + 1):
             return Fitted(body, history)

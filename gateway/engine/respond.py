@@ -213,7 +213,7 @@ class ResponsesHandler:
     async def _fit(self, body: dict[str, Any], ctx: ResolvedToolContext, history: list[dict[str, Any]],
                    headers: Mapping[str, str]) -> Fitted:
         """The request as it fits the model's window (``truncation``), answered before anything goes upstream."""
-        if self.meter is None:
+        if self.meter is None or ctx.mcp_tools:  # MCP tools are listed later, per round: not fitted here
             return Fitted(body, history)
         return await self.meter.fit(body, history, functools.partial(self._upstream_body, ctx=ctx), headers)
 

@@ -17,9 +17,12 @@ import orjson
 
 __all__ = [
     "PER_MESSAGE_TOKENS",
+    "REWRITE_SLACK_PER_ITEM",
+    "REWRITE_SLACK_PER_TOOL",
     "TEMPLATE_OVERHEAD_TOKENS",
     "droppable_groups",
     "input_token_bound",
+    "request_token_bound",
     "tokenize_request",
 ]
 
@@ -29,6 +32,11 @@ __all__ = [
 # about 30), each with margin.
 PER_MESSAGE_TOKENS = 16
 TEMPLATE_OVERHEAD_TOKENS = 512
+# ``request_token_bound``: what the rewrite to the upstream form adds, in bound tokens (twice its bytes): a custom
+# tool's description suffix and ``input`` schema (about 350 bytes), an ``mcp_call``'s expansion into a call and
+# its output, ids and keys of the upstream item form (under 120 bytes).
+REWRITE_SLACK_PER_TOOL = 768
+REWRITE_SLACK_PER_ITEM = 256
 
 # Items a chat template renders as part of the conversation's frame, never dropped by truncation.
 _PINNED_ROLES = frozenset({"system", "developer"})
@@ -203,6 +211,20 @@ def input_token_bound(upstream_body: Mapping[str, Any]) -> int:
         if isinstance(value, list):
             items += len(value)
     return 2 * size + PER_MESSAGE_TOKENS * items + TEMPLATE_OVERHEAD_TOKENS
+
+
+def request_token_bound(body: Mapping[str, Any], history: Sequence[Any]) -> int:
+    """``input_token_bound`` of the upstream body the request (the client's body over its loaded history) will
+    become, without building it: the client's form plus the rewrite's additions. Lets a small request skip the
+    build altogether."""
+    raw = body.get("input")
+    tools = body.get("tools")
+    items = [*history, *(raw if isinstance(raw, list) else () if raw is None else (raw,))]
+    n_tools = len(tools) if isinstance(tools, list) else 0
+    client_form = {"instructions": body.get("instructions"), "input": items, "tools": tools}
+    # + 1: the instructions become a message of their own on the chat API.
+    return input_token_bound(client_form) + REWRITE_SLACK_PER_TOOL * n_tools + REWRITE_SLACK_PER_ITEM * (
+        len(items) + 1)
 
 
 # ---------------------------------------------------------------------------------------------- truncation
