@@ -127,6 +127,8 @@ class Compactor:
         upstream answers with an error."""
         body: dict[str, Any] = {"model": model, "instructions": COMPACTION_INSTRUCTIONS,
                                 "input": compaction_input(items, instructions), "store": False}
+        if self.settings.compaction_max_output_tokens:
+            body["max_output_tokens"] = self.settings.compaction_max_output_tokens
         chat = self.settings.upstream_api == "chat"
         ctx = resolve_tool_context({})
         if chat:
