@@ -474,6 +474,36 @@ def test_a_conversation_keeps_its_compaction_item_and_loads_from_it(gateway: tup
         assert ref.status_code == 400 and ref.json()["error"]["code"] == "item_not_found"
 
 
+def test_compaction_over_the_websocket_with_store_false(meter: type[FakeMeter]) -> None:
+    """Codex's way: store false, chained over one WebSocket connection; a trigger compacts, and the next turn
+    loads the connection's own history from the compaction item on."""
+    up = Upstream()
+    with running_gateway(transport=httpx.MockTransport(up)) as url, \
+            openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0).responses.connect() as conn:
+        conn.response.create(model="tiny", input=HISTORY, store=False)
+        first = _until_terminal(conn)[-1].response
+        conn.response.create(model="tiny", store=False, previous_response_id=first.id,
+                             input=[{"type": "compaction_trigger"}])
+        events = _until_terminal(conn)
+        assert "response.compaction.compacting" in [e.type for e in events]
+        compacted = events[-1].response
+        assert [i.type for i in compacted.output] == ["compaction"]
+        conn.response.create(model="tiny", store=False, previous_response_id=compacted.id, input="NEXT")
+        assert _until_terminal(conn)[-1].type == "response.completed"
+    assert "Patch utils.py" in _sent_text(up.summarizations()[0])
+    sent = _sent_text(up.bodies[-1])
+    assert SUMMARY in sent and "NEXT" in sent and "Patch utils.py" not in sent
+
+
+def _until_terminal(conn: Any) -> list[Any]:
+    out = []
+    for event in conn:
+        out.append(event)
+        if event.type in ("response.completed", "response.failed", "response.incomplete", "error"):
+            break
+    return out
+
+
 # ------------------------------------------------------------------------------------ the chat upstream
 
 

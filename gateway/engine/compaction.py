@@ -282,8 +282,10 @@ def _chat_summary(payload: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
 
 
 def _zero() -> dict[str, Any]:
-    return {"input_tokens": 0, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 0,
-            "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 0}
+    """Usage of a turn the upstream reported none for, in the shape normalize_usage gives every usage."""
+    usage = normalize_usage({"input_tokens": 0, "output_tokens": 0})
+    assert usage is not None
+    return usage
 
 
 async def compact_endpoint(compactor: Compactor, body: Mapping[str, Any], owner: str | None, record: RequestRecord,

@@ -148,7 +148,7 @@ async def resolve_history(store: ResponseStore | None, body: dict[str, Any], own
         return []
     local = turn.local_history(prev) if turn is not None else None
     if local is not None:
-        return local
+        return from_newest_compaction(local)
     if turn is not None and store is None:  # found nowhere: not on this connection, and no store
         raise NotFound(f"Response with id '{prev}' not found.", param="previous_response_id")
     if store is None:
