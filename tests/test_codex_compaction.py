@@ -4,7 +4,7 @@ compacts through the gateway and keeps working after it.
 Codex compacts remotely (``POST /v1/responses/compact``, or a ``compaction_trigger`` in its newer engine) only for
 a provider it takes for OpenAI's or Azure's (codex-rs ``ModelProviderInfo::supports_remote_compaction``: its
 ``name`` is ``OpenAI``, or ``azure`` in any case, or its base URL is an Azure one); for any other provider it
-summarizes locally with ordinary turns. The provider block here is named ``OpenAI`` for that reason. The
+summarizes locally with ordinary turns. Both are judged: a provider named ``OpenAI``, and one named otherwise. The
 scripted upstream is SYNTHESIZED in vLLM 0.32's framing (tests/vllm_frames.py), as in tests/test_codex_cli.py.
 """
 
@@ -72,7 +72,7 @@ class CompactingUpstream:
                                  Route("/v1/models", models, methods=["GET"])])
 
 
-def write_home(home: Path, gateway_url: str) -> None:
+def write_home(home: Path, gateway_url: str, provider_name: str) -> None:
     home.mkdir()
     entry = {**tiny_model_entry(), "auto_compact_token_limit": 100}  # each scripted turn reports 160 tokens
     catalog = home / "models.json"
@@ -86,7 +86,7 @@ sandbox_mode = "danger-full-access"
 check_for_update_on_startup = false
 
 [model_providers.gw]
-name = "OpenAI"
+name = "{provider_name}"
 base_url = "{gateway_url}/v1"
 wire_api = "responses"
 env_key = "GW_KEY"
@@ -103,14 +103,19 @@ enabled = false
 """)
 
 
-def test_codex_compacts_remotely_through_the_gateway_and_keeps_working(codex: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("provider_name", ["OpenAI", "responses-gateway"])
+def test_codex_compacts_through_the_gateway_and_keeps_working(codex: str, tmp_path: Path,
+                                                              provider_name: str) -> None:
+    """``OpenAI``: Codex compacts remotely, the gateway's model writes the summary. Any other name: Codex
+    summarizes locally with an ordinary turn of its own (no tools, ``tool_choice: "auto"``) that the gateway
+    serves, and goes on from its own summary."""
     upstream = CompactingUpstream()
     work = tmp_path / "work"
     work.mkdir()
     home = tmp_path / "codex-home"
     with serve_in_thread(upstream.app()) as (up_url, _), capture_logs() as logs, \
             running_gateway(Settings(upstream_url=up_url, store="none")) as url:
-        write_home(home, url)
+        write_home(home, url, provider_name)
         env = {**os.environ, "CODEX_HOME": str(home), "GW_KEY": "sk-gateway-test", "NO_COLOR": "1",
                "RUST_LOG": "warn"}
         command = [str(CODEX_BIN), "exec", "--strict-config", "--skip-git-repo-check",
@@ -119,15 +124,25 @@ def test_codex_compacts_remotely_through_the_gateway_and_keeps_working(codex: st
         try:
             proc = subprocess.run(command, cwd=work, env=env, stdin=subprocess.DEVNULL, capture_output=True,
                                   text=True, timeout=CODEX_TIMEOUT, check=False)
-        except subprocess.TimeoutExpired as exc:
+        except subprocess.TimeoutExpired:
             pytest.fail(f"codex {codex} ran past {CODEX_TIMEOUT} s; upstream saw {len(upstream.requests)} "
                         f"request(s): {[p for p, _ in upstream.requests]}")
-    detail = (f"codex {codex} exited {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}\n"
-              f"routes: {[(e.get('method'), e.get('route'), e.get('status')) for e in logs if e.get('event') == 'request']}")
+    seen = [(e.get("method"), e.get("route"), e.get("status")) for e in logs if e.get("event") == "request"]
+    detail = f"codex {codex} exited {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}\nroutes: {seen}"
     assert proc.returncode == 0, detail
     assert (work / "hello.txt").read_text() == "hi\n", detail
     routes = [e.get("route") for e in logs if e.get("event") == "request"]
+    events = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert events[-1]["type"] == "turn.completed", detail
+    messages = [e["item"]["text"] for e in events if e["type"] == "item.completed"
+                and e["item"].get("type") == "agent_message"]
+    assert messages == ["Created hello.txt."], detail
+    assert all(e["status"] == 200 for e in logs if e.get("event") == "request"), detail
     summarizations = [b for p, b in upstream.requests if b.get("instructions") == COMPACTION_INSTRUCTIONS]
+    if provider_name != "OpenAI":  # local: Codex's own summarization turn, the gateway's never ran
+        assert summarizations == [] and "/v1/responses/compact" not in routes, detail
+        assert any(p == "/v1/responses" and not b.get("tools") for p, b in upstream.requests), detail
+        return
     # Codex compacted through the gateway (0.171: a compaction_trigger on /v1/responses; older ones call
     # /v1/responses/compact): the upstream model wrote the summary, once
     assert len(summarizations) == 1 and summarizations[0]["model"] == "tiny", detail
@@ -139,10 +154,3 @@ def test_codex_compacts_remotely_through_the_gateway_and_keeps_working(codex: st
     for body in later:
         assert not any(isinstance(i, dict) and (i.get("type") == "compaction" or "encrypted_content" in i)
                        for i in body["input"]), detail
-    events = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert events[-1]["type"] == "turn.completed", detail
-    messages = [e["item"]["text"] for e in events if e["type"] == "item.completed"
-                and e["item"].get("type") == "agent_message"]
-    assert messages == ["Created hello.txt."], detail
-    assert all(e["status"] == 200 for e in logs if e.get("event") == "request"), detail
-    print("codex compaction routes:", routes)
