@@ -20,6 +20,8 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from openai.types.responses import (
     CompactedResponse,
     Response,
@@ -32,9 +34,15 @@ from pydantic import TypeAdapter
 from structlog.testing import capture_logs
 
 import gateway.server.app as app_module
+from gateway.engine.compaction import open_compactions
 from gateway.engine.context import ContextMeter
 from gateway.engine.history import from_newest_compaction
-from gateway.translate.compaction_prompt import COMPACTION_INSTRUCTIONS, SUMMARY_PREFIX, render_transcript
+from gateway.translate.compaction_prompt import (
+    COMPACTION_INSTRUCTIONS,
+    SUMMARY_PREFIX,
+    render_transcript,
+    summary_message,
+)
 from gateway.translate.sealing import ReasoningSealer, parse_keys
 from tests.conversation_support import fresh_store
 from tests.invariants import check_stream
@@ -187,6 +195,48 @@ def test_the_transcript_carries_calls_and_outputs_and_clips_huge_items() -> None
     text = render_transcript([*HISTORY, {"type": "function_call_output", "call_id": "c", "output": "x" * 50_000}])
     assert "[tool call shell (call_1)]" in text and "3 passed" in text and "Now the README." in text
     assert "characters left out" in text and len(text) < 40_000
+
+
+_TEXT = st.text(max_size=40)
+_ITEMS = st.lists(st.one_of(
+    st.builds(lambda r, t: {"type": "message", "role": r, "content": t}, st.sampled_from(["user", "assistant"]),
+              _TEXT),
+    st.builds(lambda c, a: {"type": "function_call", "call_id": c, "name": "f", "arguments": a}, _TEXT, _TEXT),
+    st.builds(lambda c, o: {"type": "function_call_output", "call_id": c, "output": o}, _TEXT, _TEXT),
+    st.builds(lambda t: {"type": "compaction", "summary": t}, _TEXT),
+    st.dictionaries(st.sampled_from(["type", "id", "x"]), st.one_of(_TEXT, st.integers(), st.none()), max_size=3),
+), max_size=12)
+_SEALER = ReasoningSealer(parse_keys(base64.b64encode(bytes(32)).decode()), random_bytes=os.urandom)
+
+
+@settings(max_examples=60, deadline=None)
+@given(_ITEMS, st.sampled_from([None, "owner-a"]))
+def test_every_sealed_item_opens_in_place_and_history_loads_from_the_newest(items: list[dict[str, Any]],
+                                                                           owner: str | None) -> None:
+    """Property: each compaction item (sealed for the owner) opens into exactly its summary, in place, the other
+    items untouched; the transcript renders whatever the items are; a history starts at its newest one."""
+    sealed = [{"type": "compaction", "id": f"cmp_{i}",
+               "encrypted_content": _SEALER.seal({"id": f"cmp_{i}", "content": [{"text": it["summary"]}]}, owner,
+                                                 purpose="compaction")}
+              if it.get("type") == "compaction" else it for i, it in enumerate(items)]
+    opened, bad = open_compactions(sealed, _SEALER, owner)
+    assert bad is None and len(opened) == len(items)
+    for before, after in zip(items, opened, strict=True):
+        if before.get("type") == "compaction":
+            assert after == summary_message(before["summary"])
+        else:
+            assert after is before
+    assert isinstance(render_transcript(opened), str)
+    loaded = from_newest_compaction(sealed)
+    kinds = [i.get("type") for i in sealed]
+    if "compaction" in kinds:
+        assert loaded[0]["type"] == "compaction" and "compaction" not in [i.get("type") for i in loaded[1:]]
+        assert sealed[len(sealed) - len(loaded):] == loaded
+    else:
+        assert loaded == sealed
+    other = "owner-b" if owner else "owner-a"
+    if "compaction" in kinds:  # another owner's sealing never opens, and says which item
+        assert open_compactions(sealed, _SEALER, other)[1] == kinds.index("compaction")
 
 
 # ------------------------------------------------------------------------------------ /v1/responses/compact
