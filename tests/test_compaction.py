@@ -512,6 +512,7 @@ def test_a_conversation_keeps_its_compaction_item_and_loads_from_it(gateway: tup
         assert r.status_code == 200, r.text
         assert "OLD-TURN" in _sent_text(up.summarizations()[0])
         items = a.get(f"/v1/conversations/{cid}/items", params={"order": "asc"}).json()["data"]
+        assert "compaction_trigger" not in [i["type"] for i in items]  # a request, not an item to list
         compaction = [i for i in items if i["type"] == "compaction"]
         assert len(compaction) == 1 and compaction[0]["encrypted_content"] == r.json()["output"][0]["encrypted_content"]
         a.post("/v1/responses", json={"model": "tiny", "conversation": cid, "input": "NEW-TURN"}).raise_for_status()

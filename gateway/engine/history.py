@@ -51,7 +51,9 @@ def public_input_items(body: dict[str, Any]) -> list[dict[str, Any]]:
         items = []
     out = []
     for item in items:
-        if not isinstance(item, dict):
+        # A compaction_trigger is a request to compact, not content: no item to list or replay (no SDK item model
+        # has it); the compaction item it produced stands in the output.
+        if not isinstance(item, dict) or item.get("type") == "compaction_trigger":
             continue
         item = dict(item)
         if "type" not in item and "role" in item:
