@@ -10,6 +10,7 @@ tests/test_context_live.py), and ``/v1/responses`` answers with the text cassett
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -201,6 +202,8 @@ def test_auto_drops_the_fewest_whole_items_keeping_calls_with_outputs_and_the_in
     newest_gone = items[start - 3:start] if items[start - 1]["type"] == "function_call_output" else [items[start - 1]]
     one_more = {**sent_body, "input": [items[0], *newest_gone, *items[start:]]}
     assert scripted_count(tokenize_request(one_more)) + max_out > window
+    # The search is bounded: one count of the whole, then a binary search over the 90 droppable groups.
+    assert up.paths().count("/tokenize") <= 1 + 1 + math.ceil(math.log2(90))
 
 
 def test_auto_cuts_a_stored_chain_and_the_newest_input_stays(tmp_path: Path) -> None:
