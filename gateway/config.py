@@ -114,6 +114,9 @@ OPTIONS: tuple[Option, ...] = (
            "Seconds a request body may take to arrive before 408; the concurrency slot is taken after it."),
     Option("max_history_bytes", "--max-history-bytes", "GATEWAY_MAX_HISTORY_BYTES", int,
            "Bytes of history (chain, conversation, item references) one request may resolve before 400."),
+    Option("compaction_max_output_tokens", "--compaction-max-output-tokens", "GATEWAY_COMPACTION_MAX_OUTPUT_TOKENS",
+           int, "Tokens a compaction summary may take (the summarization turn's max_output_tokens); unset: what "
+           "the model's window leaves."),
     Option("max_mcp_servers_per_request", "--max-mcp-servers-per-request", "GATEWAY_MAX_MCP_SERVERS_PER_REQUEST", int,
            "Distinct MCP servers one request may name before 400."),
     Option("max_background_per_key", "--max-background-per-key", "GATEWAY_MAX_BACKGROUND_PER_KEY", int,
@@ -168,6 +171,7 @@ class Settings:
     max_websocket_connections: int = 256
     body_read_timeout: float = 30.0
     max_history_bytes: int = 32 * 1024 * 1024
+    compaction_max_output_tokens: int | None = None
     max_mcp_servers_per_request: int = 8
     max_background_per_key: int | None = None
     allowed_hosts: tuple[str, ...] | None = None

@@ -43,6 +43,18 @@ class InvalidRequest(GatewayError):
     status = 400
 
 
+class ContextLengthExceeded(InvalidRequest):
+    """The prompt (plus ``max_output_tokens``) does not fit the model's context window and ``truncation`` is
+    ``disabled``: answered by the gateway before the upstream is asked, in OpenAI's shape (``param: input``)."""
+
+    code = "context_length_exceeded"
+
+    def __init__(self, input_tokens: int, reserved: int, window: int) -> None:
+        super().__init__(f"Your input exceeds the context window of this model: {input_tokens} input tokens plus "
+                         f"{reserved} reserved for output exceed its {window} tokens. Please adjust your input and "
+                         "try again, or set truncation to 'auto'.", param="input")
+
+
 class Unauthorized(GatewayError):
     status = 401
     type = "invalid_request_error"

@@ -16,7 +16,8 @@ from gateway.protocol.conversations import conversation_ref
 from gateway.runtime import new_id
 from gateway.store import BrokenChainError, HistoryTooLargeError, ResponseStore, StoredResponse
 
-__all__ = ["APPENDED_STATUSES", "HistoryBudget", "conversation_history", "history_from_chain", "public_input_items",
+__all__ = ["APPENDED_STATUSES", "HistoryBudget", "conversation_history", "from_newest_compaction", "history_from_chain",
+           "public_input_items",
            "resolve_history", "resolve_references"]
 
 # A response's turn joins its conversation when it ends with model output; a failed one adds nothing.
@@ -51,7 +52,9 @@ def public_input_items(body: dict[str, Any]) -> list[dict[str, Any]]:
         items = []
     out = []
     for item in items:
-        if not isinstance(item, dict):
+        # A compaction_trigger is a request to compact, not content: no item to list or replay (no SDK item model
+        # has it); the compaction item it produced stands in the output.
+        if not isinstance(item, dict) or item.get("type") == "compaction_trigger":
             continue
         item = public_builtin_item(item)
         if "type" not in item and "role" in item:
@@ -62,13 +65,23 @@ def public_input_items(body: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def from_newest_compaction(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A loaded history from its newest ``compaction`` item on: that item stands for everything before it (its
+    summary reaches the upstream in its place), so what it replaced is never sent again."""
+    for i in range(len(items) - 1, -1, -1):
+        if items[i].get("type") == "compaction":
+            return items[i:] if i else items
+    return items
+
+
 def history_from_chain(chain: list[StoredResponse]) -> list[dict[str, Any]]:
-    """Earlier inputs and outputs, in order; the new input is appended by the caller."""
+    """Earlier inputs and outputs, in order, from the newest compaction item on; the new input is appended by
+    the caller."""
     history: list[dict[str, Any]] = []
     for record in chain:
         history.extend(record.input_items)
         history.extend(i for i in record.response.get("output") or () if isinstance(i, dict))
-    return history
+    return from_newest_compaction(history)
 
 
 async def conversation_history(store: ResponseStore | None, body: Mapping[str, Any], owner: str | None,
@@ -87,7 +100,7 @@ async def conversation_history(store: ResponseStore | None, body: Mapping[str, A
     items = await store.get_conversation_items(conversation_id, owner=owner, max_bytes=max_bytes)
     if items is None:
         raise NotFound(f"Conversation with id '{conversation_id}' not found.", param="conversation")
-    return items
+    return from_newest_compaction(items)
 
 
 async def resolve_references(store: ResponseStore | None, body: dict[str, Any], owner: str | None = None,
@@ -138,7 +151,7 @@ async def resolve_history(store: ResponseStore | None, body: dict[str, Any], own
         return []
     local = turn.local_history(prev) if turn is not None else None
     if local is not None:
-        return local
+        return from_newest_compaction(local)
     if turn is not None and store is None:  # found nowhere: not on this connection, and no store
         raise NotFound(f"Response with id '{prev}' not found.", param="previous_response_id")
     if store is None:

@@ -31,4 +31,6 @@ class RequestRecord:
     grammar_routes: list[str] = field(default_factory=list)  # how grammar tools were enforced (onerequest.ROUTES)
     grammar_conversion_failures: list[str] = field(default_factory=list)  # forms ("ebnf", "regex"), first time only
     reasoning_rejected: int = 0  # sealed reasoning blobs that did not open
+    compaction_rejected: int = 0  # compaction items whose encrypted_content did not open (a 400)
+    compactions: int = 0  # compaction passes run (gateway.engine.compaction)
     mcp_calls: list[tuple[str, str, float | None]] = field(default_factory=list)  # (server label, outcome, s)

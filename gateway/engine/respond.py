@@ -17,6 +17,8 @@ from gateway.enforce.constrain import ContentAsCall
 from gateway.enforce.onerequest import GrammarRoutes
 from gateway.enforce.plan import Plan, Violation, plan_for, violation_response
 from gateway.engine.background import BackgroundRuns, RunIdentity
+from gateway.engine.compaction import Compactor, Pending, UpstreamRefused, compact_endpoint
+from gateway.engine.context import ContextMeter, Fitted
 from gateway.engine.drain import Drain
 from gateway.engine.enforcer import Enforcer, Guard, StepError
 from gateway.engine.grammar_routes import UpstreamGrammarSupport, mark_cut_calls, routes_for
@@ -42,6 +44,7 @@ from gateway.translate.rewrite import build_upstream_request
 from gateway.translate.sealing import ReasoningSealer, open_sealed_reasoning, parse_keys
 from gateway.translate.tool_context import ResolvedToolContext, ToolInfo, resolve_tool_context
 from gateway.translate.translator import FunctionSseTranslator
+from gateway.translate.usage import add_usage
 from gateway.upstream.chat import chat_completion_events, chat_event_batches, responses_event_batches
 from gateway.upstream.client import UpstreamClient, UpstreamResponse
 
@@ -82,6 +85,9 @@ class ResponsesHandler:
     background: BackgroundRuns | None = None
     # Whether the upstream constrains grammar calls in the request itself (gateway.engine.grammar_routes).
     grammar_support: UpstreamGrammarSupport | None = None
+    # Token counts and the context window (gateway.engine.context); None: no window checks, no truncation.
+    meter: ContextMeter | None = None
+    _compactor: Compactor | None = None
 
     async def respond(self, body: dict[str, Any], headers: Mapping[str, str], owner: str | None,
                       record: RequestRecord, turn: Turn | None = None, *,
@@ -113,9 +119,33 @@ class ResponsesHandler:
         persist = self._persister(body, state, owner) if self._should_store(body) or conversation_ref(body) \
             else None
         body, history, state = self._reasoning(body, history, state, record, owner)
+        # Compaction (gateway.engine.compaction): compaction items opened into their summaries; a trigger or a
+        # context_management threshold compacts the context into a compaction item first in the output.
+        body, history, pending = await self.compactor().prepare(body, history, headers, record, owner, self.meter,
+                                                                functools.partial(self._upstream_body, ctx=ctx))
+        if pending is not None and record.stream:  # the client hears at once; the summary comes with the stream
+            return Streamed(self._compacting(pending, body, state, headers, record, persist, owner))
+        if pending is not None:
+            try:
+                body, state = await self.compactor().run(pending, body, state, headers, record, owner)
+            except UpstreamRefused as exc:
+                record.upstream_error = f"http_{exc.status}"
+                return Answered(exc.payload, exc.status)
+            return await self._answer(body, [], state, headers, record, persist, owner, only=pending.trigger)
+        return await self._answer(body, history, state, headers, record, persist, owner)
+
+    async def _answer(self, body: dict[str, Any], history: list[dict[str, Any]], state: RequestState,
+                      headers: Mapping[str, str], record: RequestRecord, persist: Persist | None, owner: str | None,
+                      *, only: bool = False) -> Outcome:
+        """The response from its resolved request on: ``only`` (a compaction_trigger), the compaction alone."""
+        ctx = state.ctx
+        if only:
+            return await self._no_generation(state, record, persist)
         extra = {"x-request-id": record.request_id}
         if body.get("generate") is False:
             return await self._no_generation(state, record, persist)
+        fitted = await self._fit(body, state.ctx, history, headers)
+        body, history = fitted.body, fitted.history
         if ctx.mcp_tools:
             return await self._mcp(body, state, record, persist, history, headers, extra, owner)
         plan = plan_for(ctx, self.settings.tool_choice_enforcement)
@@ -127,6 +157,102 @@ class ResponsesHandler:
                 record.upstream_error = f"http_{exc.status}"
                 return Answered(exc.payload, exc.status)
         return await self._forward(body, state, record, persist, history, headers, extra, guard=None)
+
+    async def compact(self, body: dict[str, Any], headers: Mapping[str, str], owner: str | None,
+                      record: RequestRecord) -> Answered:
+        """``POST /v1/responses/compact``: the history (``previous_response_id``'s chain, item references, then
+        ``input``) summarized by the upstream model into one sealed compaction item."""
+        record.model = body.get("model") if isinstance(body.get("model"), str) else None
+        budget = HistoryBudget(self.settings.max_history_bytes)
+
+        async def history(b: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+            b = await resolve_references(self.store, b, owner, budget)
+            b.pop("conversation", None)  # not a parameter of compact
+            return await resolve_history(self.store, b, owner, None, budget), b
+
+        try:
+            return Answered(await compact_endpoint(self.compactor(), body, owner, record, headers, history))
+        except UpstreamRefused as exc:
+            record.upstream_error = f"http_{exc.status}"
+            return Answered(exc.payload, exc.status)
+
+    async def _compacting(self, pending: Pending, body: dict[str, Any], state: RequestState,
+                          headers: Mapping[str, str], record: RequestRecord, persist: Persist | None,
+                          owner: str | None) -> AsyncIterator[list[ClientEvent]]:
+        """A streamed response that compacts first: created, in_progress and the compaction item's added and
+        ``response.compaction.compacting`` now, then the summarization turn, then the rest of the response
+        numbered on from there (its translator finishes the item). A failure after the stream began ends it with
+        ``response.failed``."""
+        opening = FunctionSseTranslator(state, ids=new_id)
+        frames = opening.announce([pending.placeholder()])
+        record.ttfb = time.perf_counter() - record.started
+        yield frames
+        try:
+            body, state = await self.compactor().run(pending, body, state, headers, record, owner)
+            state = replace(state, lead_announced=opening.sequence)
+            outcome = await self._answer(body, [], state, headers, record, persist, owner, only=pending.trigger)
+        except UpstreamRefused as exc:
+            record.upstream_error = f"http_{exc.status}"
+            outcome = Answered(exc.payload, exc.status)
+        except GatewayError as exc:
+            record.response_status = "failed"
+            # The stream began with a 200: the error's status becomes one of the codes a failed response may carry.
+            yield opening.fail("invalid_prompt" if exc.status < 500 else "server_error", exc.message)
+            return
+        if isinstance(outcome, Answered):  # refused before its stream began: the stream ends failed
+            error = outcome.payload.get("error") if isinstance(outcome.payload, dict) else None
+            error = error if isinstance(error, dict) else {}
+            record.response_status = "failed"
+            yield opening.fail("invalid_prompt" if outcome.status < 500 else "server_error",
+                               str(error.get("message") or f"The upstream answered {outcome.status}."))
+            return
+        async for out in outcome.events:
+            yield out
+
+    def compactor(self) -> Compactor:
+        if self._compactor is None:
+            self._compactor = Compactor(self.settings, self.upstream, self.reasoning_sealer)
+        return self._compactor
+
+    async def _fit(self, body: dict[str, Any], ctx: ResolvedToolContext, history: list[dict[str, Any]],
+                   headers: Mapping[str, str]) -> Fitted:
+        """The request as it fits the model's window (``truncation``), answered before anything goes upstream."""
+        if self.meter is None or ctx.mcp_tools:  # MCP tools are listed later, per round: not fitted here
+            return Fitted(body, history)
+        return await self.meter.fit(body, history, functools.partial(self._upstream_body, ctx=ctx), headers)
+
+    def _upstream_body(self, body: dict[str, Any], history: list[dict[str, Any]], *,
+                       ctx: ResolvedToolContext) -> dict[str, Any]:
+        """The body the configured upstream API gets for ``body`` over ``history``."""
+        if self.settings.upstream_api == "chat":
+            return build_chat_request(body, ctx, history)
+        return build_upstream_request(body, ctx, history)
+
+    async def input_tokens(self, body: dict[str, Any], headers: Mapping[str, str], owner: str | None) -> int:
+        """``POST /v1/responses/input_tokens``: the input tokens the request would have upstream, its history
+        (``previous_response_id``, ``conversation``, item references) loaded as for a response and
+        ``truncation: "auto"`` applied; counted by vLLM's ``/tokenize``."""
+        if self.meter is None:
+            raise GatewayError("Token counting is not available on this gateway.", status=501,
+                               type="server_error", code="not_implemented")
+        budget = HistoryBudget(self.settings.max_history_bytes)
+        body = await resolve_references(self.store, body, owner, budget)
+        ctx = resolve_tool_context(body)
+        history = await resolve_history(self.store, body, owner, None, budget)
+        raw = body.get("input")
+        if any(isinstance(i, dict) and i.get("type") == "reasoning" and i.get("encrypted_content")
+               for i in [*history, *(raw if isinstance(raw, list) else ())]):
+            sealer = self.reasoning_sealer()
+            if isinstance(raw, list):
+                body = {**body, "input": open_sealed_reasoning(raw, sealer, owner)[0]}
+            history = open_sealed_reasoning(history, sealer, owner)[0]
+        body, history = self.compactor().open_all(body, history, owner, None)  # counted as their summaries
+        if body.get("truncation") == "auto":
+            fitted = await self._fit(body, ctx, history, headers)
+            if fitted.input_tokens is not None:
+                return fitted.input_tokens
+            body, history = fitted.body, fitted.history
+        return await self.meter.count(self._upstream_body(body, history, ctx=ctx), headers)
 
     async def _produce_run(self, body: dict[str, Any], headers: Mapping[str, str], owner: str | None,
                            record: RequestRecord, run: RunIdentity) -> Outcome:
@@ -235,7 +361,10 @@ class ResponsesHandler:
         if chat:
             final = self._translate_all(chat_completion_events(payload, self._converter(model)), state)
         else:
-            final = restore_response(payload, state, output=restore_output(payload.get("output") or [], state))
+            final = restore_response(payload, state,
+                                     output=[*state.lead, *restore_output(payload.get("output") or [], state)])
+            if state.lead_usage:  # the compaction pass this response ran first
+                final["usage"] = add_usage(dict(state.lead_usage), final.get("usage"))
         return await self._finish(final, record, persist, guard)
 
     # ------------------------------------------------------------------ gateway-executed (MCP) tools
@@ -518,8 +647,12 @@ class ResponsesHandler:
         async def persist(final: dict[str, Any]) -> None:
             """The record and the conversation turn, in one transaction; StoreWriteFailed if it did not commit."""
             now = int(time.time())
+            # A response that holds a compaction item starts its chain anew: loading a later turn's history
+            # stops here, and what the compaction replaced is never read again (gateway.engine.history).
+            compacted = any(i.get("type") == "compaction" for i in [*items, *(final.get("output") or ())]
+                            if isinstance(i, dict))
             rec = StoredResponse(id=final["id"], created_at=int(final.get("created_at") or now),
-                                 previous_response_id=body.get("previous_response_id"),
+                                 previous_response_id=None if compacted else body.get("previous_response_id"),
                                  status=str(final.get("status")), response=final, input_items=items,
                                  tool_context=tool_context, updated_at=now, owner=owner) if keep else None
             turn = None

@@ -18,6 +18,7 @@ from starlette.websockets import WebSocket
 
 from gateway.config import Settings
 from gateway.engine.background import BackgroundRuns
+from gateway.engine.context import ContextMeter
 from gateway.engine.drain import Drain
 from gateway.engine.respond import ResponsesHandler
 from gateway.engine.tool_loop import LazyMcpHub, McpHub
@@ -98,7 +99,8 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
         keyed = await with_reasoning_key(settings, st)
         services.current = Services(upstream=upstream, store=st, background=runs,
                                     responses=ResponsesHandler(settings=keyed, upstream=upstream, store=st,
-                                                               drain=drain, mcp=hub, background=runs))
+                                                               drain=drain, mcp=hub, background=runs,
+                                                               meter=ContextMeter(upstream)))
         app.state.services = services.current
         try:
             yield

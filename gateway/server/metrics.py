@@ -86,6 +86,10 @@ METRICS: tuple[MetricSpec, ...] = (
                "WebSocket messages received, by type: response.create, other (any other type), invalid (no type)."),
     MetricSpec(PREFIX + "reasoning_blobs_rejected", "counter", (),
                "Reasoning encrypted_content blobs that did not open (another key, tampered); dropped."),
+    MetricSpec(PREFIX + "compaction_blobs_rejected", "counter", (),
+               "Compaction items whose encrypted_content did not open (another key or owner, tampered); a 400."),
+    MetricSpec(PREFIX + "compactions", "counter", (),
+               "Compaction passes the upstream model ran (/v1/responses/compact, context_management, trigger)."),
     MetricSpec(PREFIX + "mcp_calls", "counter", ("server_label", "outcome"),
                "MCP tool calls the gateway ran: completed, failed (tool error, HTTP, timeout), not_run."),
     MetricSpec(PREFIX + "mcp_call_duration_seconds", "histogram", ("server_label",),
@@ -192,6 +196,8 @@ class GatewayMetrics:
         self.aborted_on_shutdown: Counter = built["streams_aborted_on_shutdown"]  # type: ignore[assignment]
         self.mcp_calls: Counter = built["mcp_calls"]  # type: ignore[assignment]
         self.reasoning_rejected: Counter = built["reasoning_blobs_rejected"]  # type: ignore[assignment]
+        self.compaction_rejected: Counter = built["compaction_blobs_rejected"]  # type: ignore[assignment]
+        self.compactions: Counter = built["compactions"]  # type: ignore[assignment]
         self.websocket_connections: Gauge = built["websocket_connections"]  # type: ignore[assignment]
         self.websocket_messages: Counter = built["websocket_messages"]  # type: ignore[assignment]
         self.mcp_duration: Histogram = built["mcp_call_duration_seconds"]  # type: ignore[assignment]
@@ -246,6 +252,10 @@ class GatewayMetrics:
             self.grammar_conversion_failures.labels(bounded(form, _GRAMMAR_FORMS)).inc()
         if record.reasoning_rejected:
             self.reasoning_rejected.inc(record.reasoning_rejected)
+        if record.compaction_rejected:
+            self.compaction_rejected.inc(record.compaction_rejected)
+        if record.compactions:
+            self.compactions.inc(record.compactions)
         for label, outcome, seconds in record.mcp_calls:
             self.mcp_calls.labels(label, outcome).inc()
             if seconds is not None:

@@ -1,5 +1,6 @@
-"""The ``/v1/responses`` routes over HTTP: create (the engine, gateway.server.responses_http), retrieve (and resume a
-background response's stream), delete, cancel, and the input items."""
+"""The ``/v1/responses`` routes over HTTP: create (the engine, gateway.server.responses_http), compact,
+retrieve (and resume a background response's stream), delete, cancel, the input items, and the input token
+count."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ from starlette.routing import Route
 
 from gateway.engine.record import RequestRecord
 from gateway.errors import InvalidRequest, NotFound
+from gateway.protocol.request import parse_request_body
 from gateway.server.admission import Handler
 from gateway.server.auth import request_owner
-from gateway.server.http import OrjsonResponse, SseResponse, cancel_on_disconnect, list_query
+from gateway.server.http import OrjsonResponse, SseResponse, cancel_on_disconnect, list_query, read_body
 from gateway.server.responses_http import create_response as create_http_response
 from gateway.server.services import Services
 
@@ -31,6 +33,14 @@ def response_routes(services: Callable[[], Services], wrap: Wrap) -> list[Route]
         # a streamed one watches the connection itself (SseResponse).
         return await cancel_on_disconnect(request, lambda req: create_http_response(handler, req, record),
                                           when=lambda: not record.stream, on_disconnect=lambda: _left(record))
+
+    async def compact_response(request: Request, record: RequestRecord) -> Response:
+        handler = services().responses
+        raw = await read_body(request, handler.settings.max_body_bytes)
+        record.request_bytes = len(raw)
+        outcome = await handler.compact(parse_request_body(raw), dict(request.headers),
+                                        request_owner(request.scope), record)
+        return OrjsonResponse(outcome.payload, status_code=outcome.status, headers={"x-request-id": record.request_id})
 
     async def get_response(request: Request, record: RequestRecord) -> Response:
         rid = request.path_params["response_id"]
@@ -72,6 +82,17 @@ def response_routes(services: Callable[[], Services], wrap: Wrap) -> list[Route]
                                  param="response_id", code="invalid_request")
         return OrjsonResponse(rec.response)
 
+    async def count_input_tokens(request: Request, record: RequestRecord) -> Response:
+        """``POST /v1/responses/input_tokens``: the request's input tokens as vLLM counts them (the engine's
+        meter), with its history loaded as for a response, for the caller's own stored state only."""
+        handler = services().responses
+        raw = await read_body(request, handler.settings.max_body_bytes)
+        record.request_bytes = len(raw)
+        body = parse_request_body(raw)
+        record.model = body.get("model") if isinstance(body.get("model"), str) else None
+        n = await handler.input_tokens(body, dict(request.headers), request_owner(request.scope))
+        return OrjsonResponse({"object": "response.input_tokens", "input_tokens": n})
+
     async def list_input_items(request: Request, record: RequestRecord) -> Response:
         rid = request.path_params["response_id"]
         rec = await services().require_store().get(rid, owner=request_owner(request.scope))
@@ -81,6 +102,9 @@ def response_routes(services: Callable[[], Services], wrap: Wrap) -> list[Route]
 
     return [
         Route("/v1/responses", wrap("/v1/responses", create_response), methods=["POST"]),
+        Route("/v1/responses/compact", wrap("/v1/responses/compact", compact_response), methods=["POST"]),
+        Route("/v1/responses/input_tokens", wrap("/v1/responses/input_tokens", count_input_tokens),
+              methods=["POST"]),
         Route("/v1/responses/{response_id}", wrap("/v1/responses/{id}", get_response), methods=["GET"]),
         Route("/v1/responses/{response_id}", wrap("/v1/responses/{id}", delete_response), methods=["DELETE"]),
         Route("/v1/responses/{response_id}/input_items", wrap("/v1/responses/{id}/input_items", list_input_items),

@@ -36,6 +36,14 @@ class RequestState:
     extra: Mapping[str, Any] = field(default_factory=dict)
     # Set when the request's include asks for reasoning.encrypted_content: the item -> its sealed blob.
     seal: Callable[[Mapping[str, Any]], str] | None = None
+    # Items the gateway made before the model answered (a compaction item, gateway.engine.compaction): first in
+    # the output, streamed before the upstream's items; ``lead_usage``: what making them cost, added to the usage.
+    lead: tuple[dict[str, Any], ...] = ()
+    lead_usage: Mapping[str, Any] | None = None
+    # Events already sent for this response before its translator began (``FunctionSseTranslator.announce``:
+    # created, in_progress, each lead item's added and progress events): numbering continues after them, and only
+    # the lead items' done events remain.
+    lead_announced: int = 0
 
     def with_sealed(self, item: dict[str, Any]) -> dict[str, Any]:
         """A reasoning item as the client gets it: with ``encrypted_content`` when it asked for it."""

@@ -205,6 +205,9 @@ def build_upstream_request(
     """The upstream body: tools normalized, history expanded, state kept out of vLLM."""
     up = {k: v for k, v in body.items() if k not in _GATEWAY_FIELDS}
     up["store"] = False
+    # The gateway fits the prompt itself, by whole items (gateway.engine.context): vLLM's own "auto" would cut the
+    # rendered prompt's tokens from the left, through the system prompt or between a call and its output.
+    up.pop("truncation", None)
     new_input = body.get("input")
     if isinstance(new_input, str):
         new_items: list[Any] = [{"type": "message", "role": "user", "content": new_input}] if history else []

@@ -12,7 +12,9 @@ JSON ``{"id", "text"}``; the associated data binds the format version and the ow
 gateway API key the blob was sealed for), so a blob handed to another key holder does not open for them. A blob
 that does not open (another deployment's key, another owner's, tampered, truncated) opens to None: the caller
 drops it and counts it, so a key rotation never breaks a running session. Several keys may be configured: the
-first seals, all open. Without gateway keys (owner None) the associated data is the version's alone, as it was
+first seals, all open. A ``purpose`` other than reasoning (``compaction``: a compaction item's summary,
+gateway.engine.compaction) goes into the associated data too, so a blob sealed for one use never opens as the
+other. Without gateway keys (owner None) the associated data is the version's alone, as it was
 before owners were bound: blobs sealed then still open on keyless gateways, and never for an owner.
 """
 
@@ -51,8 +53,9 @@ def parse_keys(value: str | Sequence[str]) -> list[bytes]:
     return keys
 
 
-def _aad(owner: str | None) -> bytes:
-    return _AAD if owner is None else _AAD + b"/owner:" + owner.encode()
+def _aad(owner: str | None, purpose: str = "reasoning") -> bytes:
+    base = _AAD if purpose == "reasoning" else b"responses-gateway/" + purpose.encode() + b"/v1"
+    return base if owner is None else base + b"/owner:" + owner.encode()
 
 
 def reasoning_text(item: Mapping[str, Any]) -> str:
@@ -78,15 +81,15 @@ class ReasoningSealer:
         self._random = random_bytes
         self.rejected = 0
 
-    def seal(self, item: Mapping[str, Any], owner: str | None = None) -> str:
-        """The blob of ``item``, opening only for ``owner`` (None: a gateway without API keys)."""
+    def seal(self, item: Mapping[str, Any], owner: str | None = None, *, purpose: str = "reasoning") -> str:
+        """The blob of ``item``, opening only for ``owner`` (None: a gateway without API keys) and ``purpose``."""
         key_id, cipher = self._ciphers[0]
         nonce = self._random(_NONCE)
         plain = orjson.dumps({"id": item.get("id"), "text": reasoning_text(item)})
-        blob = _VERSION + key_id + nonce + cipher.encrypt(nonce, plain, _aad(owner))
+        blob = _VERSION + key_id + nonce + cipher.encrypt(nonce, plain, _aad(owner, purpose))
         return base64.urlsafe_b64encode(blob).decode().rstrip("=")
 
-    def open(self, blob: Any, owner: str | None = None) -> dict[str, Any] | None:
+    def open(self, blob: Any, owner: str | None = None, *, purpose: str = "reasoning") -> dict[str, Any] | None:
         """The sealed ``{"id", "text"}``, or None when the blob does not open (with any configured key) for
         ``owner``."""
         from cryptography.exceptions import InvalidTag
@@ -100,7 +103,7 @@ class ReasoningSealer:
         if len(raw) < 1 + 4 + _NONCE + 16 or raw[:1] != _VERSION:
             return None
         key_id, nonce, sealed = raw[1:5], raw[5:5 + _NONCE], raw[5 + _NONCE:]
-        aad = _aad(owner)
+        aad = _aad(owner, purpose)
         # The key named by the blob first, then the others (a key id collision costs one more try).
         for _kid, cipher in sorted(self._ciphers, key=lambda c: c[0] != key_id):
             try:

@@ -422,7 +422,8 @@ def _resolve_choice(
         if choice not in ("none", "auto", "required"):
             raise _err(f"Invalid tool_choice '{choice}': expected 'none', 'auto', 'required' or an object.",
                        "tool_choice")
-        if given and choice in ("auto", "required") and not has_tools:
+        # "auto" without tools is accepted, as OpenAI does: Codex's own (local) compaction turn sends it.
+        if given and choice == "required" and not has_tools:
             raise _err(f"tool_choice '{choice}' requires at least one tool, but the request declares none.",
                        "tool_choice")
         return None, choice

@@ -22,6 +22,8 @@ sees (``_Item.kind``):
 * ``mcp``        a gateway-owned call of a listed MCP tool: the client sees an ``mcp_call`` item and
                  ``mcp_call_arguments`` events, never the function call; the item stays open after the
                  upstream's done until the I/O shell runs the call and hands the result to ``complete_owned``;
+* ``announced``  an item the gateway is still making (a compaction), opened by ``announce``; another translator
+                 finishes it, or ``fail`` closes it as announced;
 * ``approval``   the same call when its server requires approval: an ``mcp_approval_request`` item, announced
                  (``added`` then ``done``) once its arguments are complete, because its id (``mint_approval``,
                  gateway.translate.approvals) is a MAC over them.
@@ -132,7 +134,12 @@ class FunctionSseTranslator:
         self._call_shown = False
         self.round = 0
         self.round_done = False
-        self._usage: dict[str, Any] | None = None  # summed over finished rounds
+        # Summed over finished rounds, from what the items the gateway made first cost (a compaction pass).
+        self._usage: dict[str, Any] | None = dict(state.lead_usage) if state.lead_usage else None
+        self._lead_sent = not state.lead
+        if state.lead_announced:  # created, in_progress and the lead items' openings went out already
+            self._seq = state.lead_announced
+            self._created = self._in_progress = True
         self._round_terminal: dict[str, Any] | None = None
         self._handlers: dict[str, Callable[[str, dict[str, Any], str], list[ClientEvent]]] = {
             "response.output_item.added": self._on_added,
@@ -231,7 +238,44 @@ class FunctionSseTranslator:
             resp = restore_response(self.acc.snapshot, self.state, output=[], status="in_progress")
             resp["usage"] = None
             out.append(self._emit("response.in_progress", {"response": resp}))
+        if not self._lead_sent:
+            self._lead_sent = True
+            out += self._emit_lead()
         return out
+
+    def _emit_lead(self) -> list[ClientEvent]:
+        """The items the gateway made before the upstream answered, each added, (a compaction item's
+        ``response.compaction.compacting``,) done."""
+        out: list[ClientEvent] = []
+        for item in self.state.lead:
+            if self.state.lead_announced:  # announced by another translator: only its done is left
+                st = _Item(UpstreamItem(-1), kind="owned", item_id=item.get("id"), round=self.round)
+                self._assign(st)
+                st.final = item
+                out.append(self._emit("response.output_item.done", {"output_index": st.client_index, "item": item}))
+                continue
+            out += self.owned_item(item, _lead_events(item))
+        return out
+
+    def announce(self, items: list[dict[str, Any]]) -> list[ClientEvent]:
+        """Open a response with items the gateway is still making (a compaction item, its blob not yet sealed):
+        ``response.created``, ``.in_progress``, each item's added and progress events, so the client hears at once.
+        The translator that finishes the response runs over a state whose ``lead`` holds the finished items and
+        whose ``lead_announced`` is ``sequence``; this one can still end it with ``fail``."""
+        out = self._ensure_started()
+        for item in items:
+            st = _Item(UpstreamItem(-1), kind="announced", item_id=item.get("id"), opened=dict(item))
+            self._assign(st)
+            idx = st.client_index
+            out.append(self._emit("response.output_item.added", {"output_index": idx, "item": dict(item)}))
+            for etype, payload in _lead_events(item):
+                out.append(self._emit(etype, {"item_id": item.get("id"), "output_index": idx, **payload}))
+        return out
+
+    @property
+    def sequence(self) -> int:
+        """The next event's sequence number."""
+        return self._seq
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -249,7 +293,7 @@ class FunctionSseTranslator:
                 self._created = True
                 out.append(self._emit("response.created", {"response": dict(resp)}))
             out.append(self._emit(etype, {"response": resp}))
-            return out
+            return out + self._ensure_started()  # the gateway's own first items (a compaction), if any
         return []  # duplicates (and queued) are folded into the snapshot only
 
     def _on_error(self, etype: str, d: dict[str, Any], data: str) -> list[ClientEvent]:
@@ -822,6 +866,9 @@ class FunctionSseTranslator:
             return []
         if st.kind in ("mcp", "approval"):
             return self._close_owned(st, status)
+        if st.kind == "announced":  # still being made by the gateway when the response ended: as announced
+            st.final = dict(st.opened or {})
+            return [self._emit("response.output_item.done", {"output_index": st.client_index, "item": st.final})]
         up = st.up
         out: list[ClientEvent] = []
         if st.kind == "custom":
@@ -859,6 +906,11 @@ class FunctionSseTranslator:
 
     def _final_output(self) -> list[dict[str, Any]]:
         return [st.final for st in self._order if st.final is not None]
+
+
+def _lead_events(item: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """The progress events of an item the gateway makes before the model answers."""
+    return [("response.compaction.compacting", {})] if item.get("type") == "compaction" else []
 
 
 def _is_input_json(arguments: str) -> bool:

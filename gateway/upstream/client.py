@@ -362,6 +362,24 @@ class UpstreamClient:
         finally:
             await up.aclose()
 
+    async def get_json(self, path: str, client_headers: Mapping[str, str], max_bytes: int = 1 << 20
+                       ) -> tuple[int, Any]:
+        """A GET of a small JSON document (``/v1/models``): ``(status, parsed JSON)``, None for a body that is not
+        JSON or is larger than ``max_bytes``."""
+        try:
+            async with self.http.stream("GET", path, headers=self.auth_headers(client_headers)) as up:
+                body = bytearray()
+                async for chunk in up.aiter_bytes():
+                    body += chunk
+                    if len(body) > max_bytes:
+                        return up.status_code, None
+        except httpx.HTTPError as exc:
+            raise map_transport_error(exc) from exc
+        try:
+            return up.status_code, orjson.loads(bytes(body))
+        except orjson.JSONDecodeError:
+            return up.status_code, None
+
     async def health_status(self, timeout: float) -> int | str:
         """vLLM's ``GET /health`` (with the upstream key): its status, or why there is none (a sentence)."""
         try:
