@@ -74,7 +74,7 @@ class UpstreamGrammarSupport:
                 return cached
             generation = self.upstream.generation
             self.probes += 1
-            answer = await self.upstream.get_json("/version", PROBE_TIMEOUT)
+            answer = await self.upstream.probe_json("/version", PROBE_TIMEOUT)
             version = answer[1].get("version") if isinstance(answer, tuple) and answer[0] == 200 and \
                 isinstance(answer[1], dict) else None
             verdict = vllm_version_ok(version)

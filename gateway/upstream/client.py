@@ -391,7 +391,7 @@ class UpstreamClient:
             return f"upstream unreachable ({type(exc).__name__})"
         return response.status_code
 
-    async def get_json(self, path: str, timeout: float, max_bytes: int = 1 << 16) -> tuple[int, Any] | str:
+    async def probe_json(self, path: str, timeout: float, max_bytes: int = 1 << 16) -> tuple[int, Any] | str:
         """A small ``GET`` (with the upstream key), e.g. vLLM's ``/version``: status and parsed JSON (None when the
         body is not JSON or larger than ``max_bytes``), or why there is none (a sentence)."""
         try:
