@@ -36,6 +36,7 @@ from gateway.server.services import Services, ServicesRef
 from gateway.server.websocket import ResponsesSocket
 from gateway.store import ResponseStore, open_store, run_sweeper
 from gateway.upstream.client import UpstreamClient
+from gateway.websearch.base import SearchProvider
 
 if TYPE_CHECKING:  # a type only: httpx is upstream/'s
     import httpx
@@ -50,7 +51,8 @@ __all__ = ["create_app"]
 
 def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None = None,
                store: ResponseStore | str | None = "from-settings", observer: Observer | None = None,
-               mcp: McpHub | None = None, worker: WorkerContext | None = None) -> Starlette:
+               mcp: McpHub | None = None, worker: WorkerContext | None = None,
+               web_search: SearchProvider | None = None) -> Starlette:
     """Build the gateway. ``transport`` replaces the network to the upstream (tests, the demo);
     ``store`` overrides ``settings.store`` with an already built store (or None); ``worker``: this process is one
     of ``--workers N`` (limits and metrics shared with the others, gateway.server.workers)."""
@@ -98,7 +100,8 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
         keyed = await with_reasoning_key(settings, st)
         services.current = Services(upstream=upstream, store=st, background=runs,
                                     responses=ResponsesHandler(settings=keyed, upstream=upstream, store=st,
-                                                               drain=drain, mcp=hub, background=runs))
+                                                               drain=drain, mcp=hub, background=runs,
+                                                               web_search=web_search))
         app.state.services = services.current
         try:
             yield

@@ -1,0 +1,353 @@
+"""Web search run by the gateway (issue 21, the engine half): ``web_search`` tools on the tool loop, against a
+scripted upstream and a fake provider.
+
+The upstream is SYNTHESIZED in vLLM 0.32's framing (tests/vllm_frames.py): round 1 calls the search function the
+gateway offered (``web_search``), round 2 answers in text that cites ``[1]``. The provider is an in-process fake of
+the ``SearchProvider`` interface (gateway/websearch/base.py); the providers' own tests run the real ones against
+local fakes of their HTTP APIs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from openai.types.responses import ResponseFunctionWebSearch, ResponseOutputMessage
+from openai.types.responses.response_output_text import AnnotationURLCitation
+
+from gateway.engine.web_search import WebSearchRunner, search_query
+from gateway.store import SqliteResponseStore
+from gateway.translate.web_search import citations, results_text, search_query_of
+from gateway.websearch.base import SearchError, SearchQuery, SearchResult, SearchResults
+from tests.support import running_gateway
+from tests.vllm_frames import VllmStream
+
+RESULTS = (SearchResult("https://en.wikipedia.org/wiki/Paris", "Paris - Wikipedia", "Paris is the capital of France."),
+           SearchResult("https://www.france.fr/paris", "Visit Paris", "The city of light."))
+ANSWER = "Paris is the capital of France [1]. See also [2], but not [7]."
+
+
+class FakeProvider:
+    """The SearchProvider interface: answers RESULTS; ``mode``: ``ok``, ``slow`` (never answers), ``fail``."""
+
+    name = "demo"
+
+    def __init__(self, mode: str = "ok") -> None:
+        self.mode = mode
+        self.queries: list[SearchQuery] = []
+
+    async def search(self, query: SearchQuery) -> SearchResults:
+        self.queries.append(query)
+        if self.mode == "slow":
+            await asyncio.sleep(3600)
+        if self.mode == "fail":
+            raise SearchError("the search engine answered HTTP 503")
+        return SearchResults(RESULTS[: query.max_results])
+
+    async def aclose(self) -> None:
+        pass
+
+
+class Upstream:
+    """Each /v1/responses round: the next scripted answer (the last one repeats); every request body is kept."""
+
+    def __init__(self, rounds: list[VllmStream]) -> None:
+        self.rounds = rounds
+        self.bodies: list[dict[str, Any]] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        self.bodies.append(body)
+        stream = self.rounds[min(len(self.bodies), len(self.rounds)) - 1]
+        if not body.get("stream"):
+            return httpx.Response(200, headers={"content-type": "application/json"}, content=stream.nonstream_body())
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=stream.body())
+
+
+def search_round(query: str = "capital of France", name: str = "web_search", n: int = 0) -> VllmStream:
+    s = VllmStream(response_id=f"resp_s{n}").start()
+    return s.call(f"fc_{n:016x}", f"call_{n}", name, ['{"query": ', json.dumps(query) + "}"]).complete()
+
+
+def text_round(text: str = ANSWER) -> VllmStream:
+    return VllmStream(response_id="resp_text").start().message("msg_00000000000000e1", [text[:20], text[20:]]) \
+        .complete()
+
+
+def post(url: str, body: dict[str, Any], key: str | None = None) -> httpx.Response:
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(url + "/v1/responses", json=body, headers=headers, timeout=30)
+
+
+def check_citations(message: ResponseOutputMessage) -> None:
+    part = message.content[0]
+    assert part.type == "output_text"
+    anns = [a for a in part.annotations if isinstance(a, AnnotationURLCitation)]
+    # [1] and [2] number results; [7] numbers none and is left as text
+    assert [(part.text[a.start_index:a.end_index], a.url, a.title) for a in anns] == [
+        ("[1]", RESULTS[0].url, RESULTS[0].title), ("[2]", RESULTS[1].url, RESULTS[1].title)]
+    assert len(part.annotations) == 2
+
+
+def test_search_streamed_through_the_sdks_strict_stream() -> None:
+    provider, up = FakeProvider(), Upstream([search_round(), text_round()])
+    with running_gateway(transport=httpx.MockTransport(up), web_search=provider) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        with client.responses.stream(model="tiny", input="What is the capital of France?",
+                                     tools=[{"type": "web_search", "filters": {"allowed_domains": ["wikipedia.org"]},
+                                             "user_location": {"type": "approximate", "country": "FR"},
+                                             "search_context_size": "low"}],
+                                     include=["web_search_call.action.sources"]) as stream:
+            events = list(stream)
+            final = stream.get_final_response()
+    kinds = [e.type for e in events]
+    assert [o.type for o in final.output] == ["web_search_call", "message"]
+    call, message = final.output
+    assert isinstance(call, ResponseFunctionWebSearch) and isinstance(message, ResponseOutputMessage)
+    ResponseFunctionWebSearch.model_validate(call.model_dump())  # the SDK's model, strictly
+    assert call.id.startswith("ws_") and call.status == "completed"
+    assert call.action.type == "search" and call.action.query == "capital of France"
+    assert call.action.queries == ["capital of France"]
+    assert [s.url for s in call.action.sources or ()] == [RESULTS[0].url, RESULTS[1].url]
+    check_citations(message)
+    # OpenAI's order: the call announced, searching, completed, then the answer; annotations before text done
+    expected = ["response.web_search_call.in_progress", "response.web_search_call.searching",
+                "response.web_search_call.completed", "response.output_text.delta",
+                "response.output_text.annotation.added", "response.output_text.done"]
+    positions = [kinds.index(k) for k in expected]
+    assert positions == sorted(positions) and kinds.count("response.output_text.annotation.added") == 2
+    assert kinds.count("response.created") == 1 and kinds[-1] == "response.completed"
+    assert not any(k.startswith("response.function_call") for k in kinds)  # gateway-owned frames never shown
+    for e in events:  # every web search event names the call's item and index
+        if e.type.startswith("response.web_search_call."):
+            assert e.item_id == call.id and e.output_index == 0  # type: ignore[union-attr]
+    # the provider got the tool's filters, location and context size
+    (q,) = provider.queries
+    assert (q.query, q.allowed_domains, q.country, q.context_size, q.live) == (
+        "capital of France", ("wikipedia.org",), "FR", "low", True)
+    # the model was offered a function, not the hosted tool; round 2 got the call and the numbered results
+    first, second = up.bodies
+    assert [t["type"] for t in first["tools"]] == ["function"] and first["tools"][0]["name"] == "web_search"
+    assert "[1]" in first["tools"][0]["description"]
+    call_in, output_in = second["input"][-2:]
+    assert call_in["type"] == "function_call" and call_in["name"] == "web_search"
+    assert json.loads(call_in["arguments"]) == {"query": "capital of France"}
+    assert output_in["type"] == "function_call_output" and output_in["call_id"] == call_in["call_id"]
+    assert "[1] Paris - Wikipedia" in output_in["output"] and RESULTS[1].url in output_in["output"]
+
+
+def test_search_with_create_and_no_sources_without_the_include() -> None:
+    provider, up = FakeProvider(), Upstream([search_round(), text_round()])
+    with running_gateway(transport=httpx.MockTransport(up), web_search=provider) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        final = client.responses.create(model="tiny", input="capital?", tools=[{"type": "web_search_preview"}])
+    call, message = final.output
+    assert isinstance(call, ResponseFunctionWebSearch) and call.status == "completed"
+    assert call.action.type == "search" and call.action.sources is None
+    assert isinstance(message, ResponseOutputMessage)
+    check_citations(message)
+    assert final.usage is not None and final.usage.total_tokens == 2 * 160
+
+
+def test_without_a_provider_the_tool_is_passed_upstream_as_before() -> None:
+    up = Upstream([text_round("no search")])
+    with running_gateway(transport=httpx.MockTransport(up)) as url:
+        body = post(url, {"model": "tiny", "input": "x", "tools": [{"type": "web_search"}]}).json()
+    assert body["status"] == "completed"
+    assert up.bodies[0]["tools"] == [{"type": "web_search"}]
+
+
+def test_tool_choice_web_search_forces_the_first_round_only() -> None:
+    provider, up = FakeProvider(), Upstream([search_round(), text_round()])
+    with running_gateway(transport=httpx.MockTransport(up), web_search=provider) as url:
+        body = post(url, {"model": "tiny", "input": "x", "tools": [{"type": "web_search"}],
+                          "tool_choice": {"type": "web_search"}}).json()
+    assert body["status"] == "completed" and body["tool_choice"] == {"type": "web_search"}
+    assert up.bodies[0]["tool_choice"] == {"type": "function", "name": "web_search"}
+    assert up.bodies[1]["tool_choice"] == "auto"
+
+
+def test_a_client_tool_named_web_search_keeps_its_name() -> None:
+    provider = FakeProvider()
+    up = Upstream([search_round(name="web_search_2"), text_round()])
+    mine = {"type": "function", "name": "web_search", "parameters": {"type": "object", "properties": {}}}
+    with running_gateway(transport=httpx.MockTransport(up), web_search=provider) as url:
+        body = post(url, {"model": "tiny", "input": "x", "tools": [mine, {"type": "web_search"}]}).json()
+    assert sorted(t["name"] for t in up.bodies[0]["tools"]) == ["web_search", "web_search_2"]
+    assert [i["type"] for i in body["output"]] == ["web_search_call", "message"]
+
+
+def test_a_failing_provider_is_a_failed_call_and_the_response_goes_on() -> None:
+    provider, up = FakeProvider("fail"), Upstream([search_round(), text_round("I could not search [1].")])
+    with running_gateway(transport=httpx.MockTransport(up), web_search=provider) as url:
+        body = post(url, {"model": "tiny", "input": "x", "tools": [{"type": "web_search"}]}).json()
+    assert body["status"] == "completed"
+    call, message = body["output"]
+    assert call["type"] == "web_search_call" and call["status"] == "failed"
+    ResponseFunctionWebSearch.model_validate(call)
+    assert up.bodies[1]["input"][-1]["output"] == "The web search failed: the search engine answered HTTP 503"
+    assert message["content"][0]["annotations"] == []  # no results: [1] cites nothing
+
+
+def test_a_model_that_searches_forever_is_stopped_by_max_tool_calls() -> None:
+    provider, up = FakeProvider(), Upstream([search_round()])  # every round searches again
+    with running_gateway(transport=httpx.MockTransport(up), web_search=provider) as url:
+        body = post(url, {"model": "tiny", "input": "x", "tools": [{"type": "web_search"}],
+                          "max_tool_calls": 2}).json()
+    assert body["status"] == "completed"
+    statuses = [i["status"] for i in body["output"] if i["type"] == "web_search_call"]
+    assert statuses == ["completed", "completed", "failed"]  # the third was withheld and shown, not run
+    assert len(provider.queries) == 2 and len(up.bodies) == 3
+    assert up.bodies[2]["tool_choice"] == "none" and "tools" not in up.bodies[2]
+    assert len({i["id"] for i in body["output"]}) == 3
+
+
+def test_a_model_that_searches_forever_is_stopped_by_max_tool_rounds() -> None:
+    provider, up = FakeProvider(), Upstream([search_round()])
+    with running_gateway(transport=httpx.MockTransport(up), web_search=provider, max_tool_rounds=1) as url:
+        body = post(url, {"model": "tiny", "input": "x", "tools": [{"type": "web_search"}], "stream": False}).json()
+    assert [i["status"] for i in body["output"]] == ["completed", "failed"]
+    assert len(provider.queries) == 1 and len(up.bodies) == 2
+
+
+def test_results_are_numbered_across_the_searches_of_a_response() -> None:
+    provider = FakeProvider()
+    up = Upstream([search_round("a", n=0), search_round("b", n=1), text_round("Both [1] and [3].")])
+    with running_gateway(transport=httpx.MockTransport(up), web_search=provider) as url:
+        body = post(url, {"model": "tiny", "input": "x", "tools": [{"type": "web_search"}]}).json()
+    assert "[3] Paris - Wikipedia" in up.bodies[2]["input"][-1]["output"]  # the second search's first result
+    anns = body["output"][-1]["content"][0]["annotations"]
+    assert [(a["start_index"], a["url"]) for a in anns] == [(5, RESULTS[0].url), (13, RESULTS[0].url)]
+
+
+def test_the_next_turn_sends_the_search_and_its_results_upstream(tmp_path: Path) -> None:
+    provider = FakeProvider()
+    up = Upstream([search_round(), text_round(), text_round("again")])
+    with running_gateway(transport=httpx.MockTransport(up), web_search=provider,
+                         store=SqliteResponseStore(tmp_path / "r.db")) as url:
+        first = post(url, {"model": "tiny", "input": "capital?", "tools": [{"type": "web_search"}]}).json()
+        second = post(url, {"model": "tiny", "input": "and?", "tools": [{"type": "web_search"}],
+                            "previous_response_id": first["id"]})
+        items = httpx.get(f"{url}/v1/responses/{first['id']}", timeout=10).json()["output"]
+    assert second.status_code == 200, second.text
+    history = up.bodies[2]["input"]
+    calls = [i for i in history if i.get("type") == "function_call"]
+    outputs = [i for i in history if i.get("type") == "function_call_output"]
+    assert [c["name"] for c in calls] == ["web_search"]
+    assert "[1] Paris - Wikipedia" in outputs[0]["output"] and RESULTS[0].url in outputs[0]["output"]
+    assert all("encrypted_content" not in i and "_search_results" not in i for i in history)
+    assert items[0]["type"] == "web_search_call" and items[0]["status"] == "completed"  # stored and listed
+
+
+def test_store_false_resend_carries_the_results_sealed_and_degrades_to_the_query() -> None:
+    provider = FakeProvider()
+    up = Upstream([search_round(), text_round(), text_round("again")])
+    with running_gateway(transport=httpx.MockTransport(up), web_search=provider) as url:
+        first = post(url, {"model": "tiny", "input": "capital?", "tools": [{"type": "web_search"}],
+                           "store": False}).json()
+        call = first["output"][0]
+        assert isinstance(call.get("encrypted_content"), str)
+        assert "Paris" not in call["encrypted_content"]  # sealed, not readable
+        turn = [{"role": "user", "content": "capital?"}, *first["output"], {"role": "user", "content": "and?"}]
+        post(url, {"model": "tiny", "input": turn, "tools": [{"type": "web_search"}], "store": False})
+        # As Codex resends it: the item without the gateway's blob
+        bare = {k: v for k, v in call.items() if k != "encrypted_content"}
+        post(url, {"model": "tiny", "input": [bare, {"role": "user", "content": "and?"}],
+                   "tools": [{"type": "web_search"}], "store": False})
+    sealed_out = [i for i in up.bodies[2]["input"] if i.get("type") == "function_call_output"]
+    assert "[1] Paris - Wikipedia" in sealed_out[0]["output"]
+    bare_out = [i for i in up.bodies[3]["input"] if i.get("type") == "function_call_output"]
+    assert bare_out[0]["output"] == ("The web was searched for 'capital of France'; the results of that search are "
+                                     "no longer available.")
+
+
+KEY_A, KEY_B = "sk-gw-key-a-0000000000", "sk-gw-key-b-0000000000"
+
+
+def test_another_key_cannot_chain_onto_or_open_the_results(tmp_path: Path) -> None:
+    provider = FakeProvider()
+    up = Upstream([search_round(), text_round(), text_round("again")])
+    with running_gateway(transport=httpx.MockTransport(up), web_search=provider, api_keys=(KEY_A, KEY_B),
+                         store=SqliteResponseStore(tmp_path / "r.db")) as url:
+        first = post(url, {"model": "tiny", "input": "capital?", "tools": [{"type": "web_search"}]}, KEY_A).json()
+        chained = post(url, {"model": "tiny", "input": "and?", "previous_response_id": first["id"]}, KEY_B)
+        read = httpx.get(f"{url}/v1/responses/{first['id']}", headers={"authorization": f"Bearer {KEY_B}"})
+        # B replays A's item, blob and all: it does not open for B
+        resent = post(url, {"model": "tiny", "input": [first["output"][0], {"role": "user", "content": "x"}],
+                            "tools": [{"type": "web_search"}], "store": False}, KEY_B)
+    assert chained.status_code == 404 and read.status_code == 404
+    assert resent.status_code == 200
+    out = [i for i in up.bodies[-1]["input"] if i.get("type") == "function_call_output"]
+    assert "Paris - Wikipedia" not in out[0]["output"] and "no longer available" in out[0]["output"]
+
+
+def test_chat_upstream_gets_the_search_as_a_tool_call_and_its_result() -> None:
+    from gateway.translate.chat import build_chat_request
+    from gateway.translate.tool_context import resolve_tool_context, with_web_search
+
+    body = {"model": "tiny", "tools": [{"type": "web_search"}],
+            "input": [{"type": "web_search_call", "id": "ws_1", "status": "completed",
+                       "action": {"type": "search", "query": "q"}, "_search_results": "[1] R\nURL: u\nx"},
+                      {"role": "user", "content": "and?"}]}
+    ctx = with_web_search(resolve_tool_context(body))
+    chat = build_chat_request(body, ctx)
+    assert chat["tools"][0]["function"]["name"] == "web_search"
+    assistant, tool = chat["messages"][0], chat["messages"][1]
+    assert assistant["tool_calls"][0]["function"] == {"name": "web_search", "arguments": '{"query":"q"}'}
+    assert tool == {"role": "tool", "tool_call_id": "ws_1", "content": "[1] R\nURL: u\nx"}
+
+
+# ---------------------------------------------------------------------------------------------- units
+
+
+def test_a_slow_provider_times_out_into_a_failed_call() -> None:
+    settings = SimpleNamespace(web_search_timeout=0.05)
+    runner = WebSearchRunner(FakeProvider("slow"), settings, {"type": "web_search"}, {})
+    outcome = asyncio.run(runner.run("ws_1", "q"))
+    assert outcome.item["status"] == "failed" and outcome.sources == []
+    assert outcome.output == "The web search timed out after 0.05 s."
+    ResponseFunctionWebSearch.model_validate(outcome.item)
+
+
+def test_the_per_response_cap_and_the_rate_limit_fail_calls_without_searching() -> None:
+    provider = FakeProvider()
+    runner = WebSearchRunner(provider, SimpleNamespace(web_search_max_calls_per_response=1), {}, {},
+                             allow=lambda owner: False)
+    limited = asyncio.run(runner.run("ws_1", "q"))
+    capped = asyncio.run(runner.run("ws_2", "q"))
+    assert limited.item["status"] == capped.item["status"] == "failed" and provider.queries == []
+    assert "rate limit" in limited.output and "limit of 1" in capped.output
+
+
+def test_search_query_from_the_tool() -> None:
+    q = search_query({"external_web_access": False, "search_context_size": "high",
+                      "filters": {"allowed_domains": ["https://Docs.Python.org/3/", 7]},
+                      "user_location": {"type": "approximate", "city": "Lyon", "timezone": "Europe/Paris"}}, "x", None)
+    assert (q.live, q.context_size, q.max_results, q.allowed_domains, q.city, q.timezone, q.country) == (
+        False, "high", 10, ("docs.python.org",), "Lyon", "Europe/Paris", None)
+
+
+def test_units_of_the_pure_helpers() -> None:
+    assert search_query_of('{"query": " a b "}') == "a b" and search_query_of("nope") is None
+    assert search_query_of('{"query": ""}') is None and search_query_of('"direct"') == "direct"
+    text = results_text("q", [("T", "https://u", "s" * 5000)], 4, 300)
+    assert text.startswith("Web search results for 'q'") and "[4] T" in text and len(text.encode()) <= 300
+    assert citations("x [1][2] [3]", [("u1", "t1"), ("u2", "t2")]) == [
+        {"type": "url_citation", "start_index": 2, "end_index": 5, "url": "u1", "title": "t1"},
+        {"type": "url_citation", "start_index": 5, "end_index": 8, "url": "u2", "title": "t2"}]
+
+
+@pytest.mark.parametrize("choice", [{"type": "web_search_preview"}, {"type": "allowed_tools", "mode": "required",
+                                                                      "tools": [{"type": "web_search"}]}])
+def test_tool_choice_forms_resolve_to_the_search_function(choice: dict[str, Any]) -> None:
+    from gateway.translate.tool_context import resolve_tool_context, with_web_search
+
+    ctx = with_web_search(resolve_tool_context({"tools": [{"type": "web_search_preview"}], "tool_choice": choice}))
+    assert ctx.allowed_upstream_names == frozenset({"web_search"}) and ctx.other_tools == ()
+    assert [i.upstream_name for i in ctx.pinned_tools] == ["web_search"]
