@@ -351,3 +351,41 @@ def test_tool_choice_forms_resolve_to_the_search_function(choice: dict[str, Any]
     ctx = with_web_search(resolve_tool_context({"tools": [{"type": "web_search_preview"}], "tool_choice": choice}))
     assert ctx.allowed_upstream_names == frozenset({"web_search"}) and ctx.other_tools == ()
     assert [i.upstream_name for i in ctx.pinned_tools] == ["web_search"]
+
+
+def test_agents_sdk_web_search_tool_and_its_next_turn() -> None:
+    """The Agents SDK's ``WebSearchTool`` (a hosted tool to it): the run shows the search and the cited answer;
+    the next turn, resent with ``to_input_list()`` (no store), gives the model the search and its results."""
+    from agents import Agent, OpenAIResponsesModel, RunConfig, Runner, WebSearchTool, set_tracing_disabled
+    from agents.items import MessageOutputItem, ToolCallItem
+
+    set_tracing_disabled(True)
+    provider = FakeProvider()
+    up = Upstream([search_round(), text_round(), text_round("again")])
+    with running_gateway(transport=httpx.MockTransport(up), web_search=provider) as url:
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        agent = Agent(name="a", instructions="Be brief.", model=OpenAIResponsesModel("tiny", client),
+                      tools=[WebSearchTool(search_context_size="high")])
+
+        async def chat() -> tuple[Any, Any, list[str]]:
+            streamed = Runner.run_streamed(agent, "What is the capital of France?",
+                                           run_config=RunConfig(tracing_disabled=True))
+            kinds = [e.data.type async for e in streamed.stream_events() if e.type == "raw_response_event"]
+            second = await Runner.run(agent, [*streamed.to_input_list(), {"role": "user", "content": "and?"}],
+                                      run_config=RunConfig(tracing_disabled=True))
+            return streamed, second, kinds
+
+        first, second, kinds = asyncio.run(chat())
+    calls = [i for i in first.new_items if isinstance(i, ToolCallItem)]
+    assert len(calls) == 1 and isinstance(calls[0].raw_item, ResponseFunctionWebSearch)
+    assert calls[0].raw_item.status == "completed" and calls[0].raw_item.action.query == "capital of France"
+    [message] = [i for i in first.new_items if isinstance(i, MessageOutputItem)]
+    check_citations(message.raw_item)
+    assert first.final_output == ANSWER and second.final_output == "again"
+    assert "response.web_search_call.completed" in kinds and "response.output_text.annotation.added" in kinds
+    assert provider.queries[0].context_size == "high"
+    history = up.bodies[2]["input"]
+    [call] = [i for i in history if i.get("type") == "function_call"]
+    [output] = [i for i in history if i.get("type") == "function_call_output"]
+    assert call["name"] == "web_search" and json.loads(call["arguments"]) == {"query": "capital of France"}
+    assert "[1] Paris - Wikipedia" in output["output"]  # the sealed results came back with the item
