@@ -336,7 +336,7 @@ async def test_live_false_answers_from_the_same_owners_earlier_results_only(fake
     provider = build_provider(_settings(fake.kind, fake.url))
     assert provider is not None
     try:
-        with pytest.raises(SearchError, match="^live web access disabled$"):
+        with pytest.raises(SearchError, match=r"^live web access disabled$"):
             await provider.search(q("news", live=False, owner="alice"))
         live = await provider.search(q("news", owner="alice"))
         cached = await provider.search(q("  News ", live=False, owner="alice"))
@@ -499,3 +499,18 @@ def test_domain_allowed_subdomains_not_suffixes() -> None:
     assert not providers.domain_allowed("https://badexample.com/", ["example.com"])
     assert not providers.domain_allowed("https://example.com.evil.net/", ["example.com"])
 
+
+
+def test_the_startup_log_line_names_the_provider_not_the_key(monkeypatch: pytest.MonkeyPatch,
+                                                             capfd: pytest.CaptureFixture[str]) -> None:
+    from gateway import cli
+
+    monkeypatch.setattr(cli, "_serve", lambda settings, **kw: 0)
+    for settings_, enabled in ((Settings(store="none"), False),
+                               (Settings(store="none", web_search_provider="brave", brave_api_key=BRAVE_KEY), True)):
+        assert cli.run(settings_) == 0  # configures the JSON log handler on stderr, then logs the line
+        err = capfd.readouterr().err
+        lines = [json.loads(x) for x in err.splitlines() if x.startswith("{")]
+        line = next(e for e in lines if e["event"] == "web_search")
+        assert line["enabled"] is enabled and (not enabled or line["provider"] == "brave")
+        assert BRAVE_KEY not in err
