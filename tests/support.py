@@ -80,7 +80,7 @@ def serve_in_thread(app: Any, port: int | None = None) -> Iterator[tuple[str, uv
 
 @contextlib.contextmanager
 def running_gateway(settings: Settings | None = None, *, transport: httpx.AsyncBaseTransport | None = None,
-                    store: ResponseStore | str | None = None, mcp: Any = None, web_search: Any = None,
+                    store: ResponseStore | str | None = None, mcp: Any = None, web_search: Any = "from-settings",
                     **overrides: Any) -> Iterator[str]:
     """A real gateway (uvicorn on loopback, in a thread); yields its base URL (``http://127.0.0.1:PORT``).
 

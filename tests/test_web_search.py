@@ -195,6 +195,32 @@ def test_a_failing_provider_is_a_failed_call_and_the_response_goes_on() -> None:
     assert message["content"][0]["annotations"] == []  # no results: [1] cites nothing
 
 
+def test_a_slow_provider_times_out_into_a_failed_call_and_the_response_goes_on() -> None:
+    provider, up = FakeProvider("slow"), Upstream([search_round(), text_round("No luck.")])
+    with running_gateway(transport=httpx.MockTransport(up), web_search=provider, web_search_timeout=0.05) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        with client.responses.stream(model="tiny", input="x", tools=[{"type": "web_search"}]) as stream:
+            kinds = [e.type for e in stream]
+            final = stream.get_final_response()
+    assert final.status == "completed" and [o.type for o in final.output] == ["web_search_call", "message"]
+    call = final.output[0]
+    assert isinstance(call, ResponseFunctionWebSearch) and call.status == "failed"
+    assert "response.web_search_call.completed" not in kinds and "response.web_search_call.searching" in kinds
+    assert up.bodies[1]["input"][-1]["output"] == "The web search timed out after 0.05 s."
+
+
+def test_the_demo_provider_from_the_flags_and_the_per_key_rate() -> None:
+    up = Upstream([search_round("vLLM responses gateway"), text_round("Done [1]."), search_round(), text_round()])
+    with running_gateway(transport=httpx.MockTransport(up), web_search_provider="demo",
+                         web_search_per_key_per_minute=1) as url:
+        first = post(url, {"model": "tiny", "input": "x", "tools": [{"type": "web_search"}]}).json()
+        second = post(url, {"model": "tiny", "input": "x", "tools": [{"type": "web_search"}]}).json()
+    assert first["output"][0]["status"] == "completed"
+    # the second search of the minute: a failed call, the response completes (not a 429: see engine/web_search.py)
+    assert second["status"] == "completed" and second["output"][0]["status"] == "failed"
+    assert "rate limit" in up.bodies[3]["input"][-1]["output"]
+
+
 def test_a_model_that_searches_forever_is_stopped_by_max_tool_calls() -> None:
     provider, up = FakeProvider(), Upstream([search_round()])  # every round searches again
     with running_gateway(transport=httpx.MockTransport(up), web_search=provider) as url:
@@ -309,6 +335,7 @@ def test_chat_upstream_gets_the_search_as_a_tool_call_and_its_result() -> None:
 def test_a_slow_provider_times_out_into_a_failed_call() -> None:
     settings = SimpleNamespace(web_search_timeout=0.05)
     runner = WebSearchRunner(FakeProvider("slow"), settings, {"type": "web_search"}, {})
+    runner.grace = 0.0
     outcome = asyncio.run(runner.run("ws_1", "q"))
     assert outcome.item["status"] == "failed" and outcome.sources == []
     assert outcome.output == "The web search timed out after 0.05 s."

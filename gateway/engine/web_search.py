@@ -42,7 +42,8 @@ def _host(domain: Any) -> str | None:
     return text.split("/", 1)[0].split(":", 1)[0] or None
 
 
-def search_query(tool: Mapping[str, Any], query: str, max_results: int | None) -> SearchQuery:
+def search_query(tool: Mapping[str, Any], query: str, max_results: int | None, owner: str | None = None
+                 ) -> SearchQuery:
     """The provider's query from the request's web search tool (filters, user_location, search_context_size,
     Codex's ``external_web_access``) and the model's query text."""
     size = tool.get("search_context_size")
@@ -60,7 +61,7 @@ def search_query(tool: Mapping[str, Any], query: str, max_results: int | None) -
                        allowed_domains=tuple(h for d in domains[:50] if (h := _host(d))),
                        country=text("country"), region=text("region"), city=text("city"),
                        timezone=text("timezone"), context_size=size,
-                       live=tool.get("external_web_access") is not False)
+                       live=tool.get("external_web_access") is not False, owner=owner)
 
 
 @dataclass(slots=True)
@@ -86,6 +87,7 @@ class WebSearchRunner:
         self.seal = seal
         self.request_id = request_id
         self.timeout = float(getattr(settings, "web_search_timeout", 10.0) or 10.0)
+        self.grace = 1.0
         self.max_results = int(getattr(settings, "web_search_max_results", 0) or 0) or None
         self.max_result_bytes = int(getattr(settings, "web_search_max_result_bytes", 0) or 0) or 2000
         self.max_calls = int(getattr(settings, "web_search_max_calls_per_response", 0) or 0) or None
@@ -108,8 +110,11 @@ class WebSearchRunner:
                                 "again in a minute.", "rate_limited")
         started = time.perf_counter()
         try:
-            found = await asyncio.wait_for(self.provider.search(search_query(self.tool, query, self.max_results)),
-                                           timeout=self.timeout)
+            # The provider bounds its own requests by --web-search-timeout; this bounds the whole search (a
+            # provider that hangs past it, retries included) a little later, so the provider's own message wins.
+            found = await asyncio.wait_for(self.provider.search(search_query(self.tool, query, self.max_results,
+                                                                             self.owner)),
+                                           timeout=self.timeout + self.grace)
         except TimeoutError:
             return self._failed(key, query, f"The web search timed out after {self.timeout:g} s.", "timeout",
                                 started)
