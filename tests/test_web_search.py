@@ -416,3 +416,71 @@ def test_agents_sdk_web_search_tool_and_its_next_turn() -> None:
     [output] = [i for i in history if i.get("type") == "function_call_output"]
     assert call["name"] == "web_search" and json.loads(call["arguments"]) == {"query": "capital of France"}
     assert "[1] Paris - Wikipedia" in output["output"]  # the sealed results came back with the item
+
+
+# --- Codex (pinned; tests/test_codex_cli.py installs it and writes its configuration) --------------------------
+
+
+class CodexSearchUpstream:
+    """Round 1 calls the search function the gateway offered; round 2 (its output in the input) answers, citing
+    [1]. SYNTHESIZED in vLLM 0.32's framing (tests/vllm_frames.py)."""
+
+    def __init__(self) -> None:
+        self.bodies: list[dict[str, Any]] = []
+
+    def app(self) -> Any:
+        from starlette.applications import Starlette
+        from starlette.requests import Request
+        from starlette.responses import JSONResponse, Response, StreamingResponse
+        from starlette.routing import Route
+
+        async def responses(request: Request) -> Response:
+            body = json.loads(await request.body())
+            self.bodies.append(body)
+            searched = any(i.get("type") == "function_call_output" for i in body.get("input") or ()
+                           if isinstance(i, dict))
+            stream = text_round("Paris [1].") if searched else search_round()
+            return StreamingResponse(iter([f.encode() for f in stream.frames]), media_type="text/event-stream")
+
+        async def models(request: Request) -> Response:
+            return JSONResponse({"object": "list", "data": [{"id": "tiny", "object": "model"}]})
+
+        return Starlette(routes=[Route("/v1/responses", responses, methods=["POST"]),
+                                 Route("/v1/models", models, methods=["GET"])])
+
+
+def test_codex_gets_web_search_through_the_gateway(tmp_path: Path) -> None:
+    import os
+    import subprocess
+
+    from gateway.config import Settings
+    from tests.support import npm_packages, serve_in_thread
+    from tests.test_codex_cli import CODEX, CODEX_BIN, write_codex_home
+
+    npm_packages(CODEX, "the Codex CLI test")
+    provider, upstream = FakeProvider(), CodexSearchUpstream()
+    work, home = tmp_path / "work", tmp_path / "codex-home"
+    work.mkdir()
+    with serve_in_thread(upstream.app()) as (up_url, _), \
+            running_gateway(Settings(upstream_url=up_url, store="none"), web_search=provider) as url:
+        write_codex_home(home, url)
+        env = {**os.environ, "CODEX_HOME": str(home), "GW_KEY": "sk-gateway-test", "NO_COLOR": "1",
+               "RUST_LOG": "warn"}
+        proc = subprocess.run([str(CODEX_BIN), "exec", "--strict-config", "--skip-git-repo-check",
+                               "--dangerously-bypass-approvals-and-sandbox", "--json", "-C", str(work),
+                               "What is the capital of France?"], cwd=work, env=env, stdin=subprocess.DEVNULL,
+                              capture_output=True, text=True, timeout=60, check=False)
+    detail = f"codex exited {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, detail
+    events = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    items = [e["item"] for e in events if e["type"] == "item.completed"]
+    assert [i["text"] for i in items if i.get("type") == "agent_message"] == ["Paris [1]."], detail
+    assert any(i.get("type") == "web_search" and "capital of France" in json.dumps(i) for i in items), detail
+    # Codex sent its web_search tool; the model was offered the gateway's function instead
+    first, second = upstream.bodies
+    assert [t["name"] for t in first["tools"] if t.get("name") == "web_search"] == ["web_search"], first["tools"]
+    assert not any(t.get("type") == "web_search" for t in first["tools"])
+    (q,) = provider.queries
+    assert q.query == "capital of France"
+    output = second["input"][-1]
+    assert output["type"] == "function_call_output" and "[1] Paris - Wikipedia" in output["output"]
