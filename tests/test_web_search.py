@@ -313,6 +313,57 @@ def test_another_key_cannot_chain_onto_or_open_the_results(tmp_path: Path) -> No
     assert "Paris - Wikipedia" not in out[0]["output"] and "no longer available" in out[0]["output"]
 
 
+def chat_stream(body: dict[str, Any]) -> bytes:
+    """A /v1/chat/completions stream, SYNTHESIZED in vLLM 0.32's chunk framing (as recorded in
+    cassettes/vllm/chat_tool_call_stream.yaml): a web_search tool call, or (a tool result in the messages) text."""
+    head = {"id": "chatcmpl-00000000000000a1", "object": "chat.completion.chunk", "created": 1795973038,
+            "model": "tiny"}
+
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
+        return "data: " + json.dumps({**head, "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                                                           "finish_reason": finish, "token_ids": None}]},
+                                     separators=(",", ":")) + "\n\n"
+
+    if any(m.get("role") == "tool" for m in body["messages"]):
+        middle = [chunk({"content": "Paris [1]."}), chunk({}, "stop")]
+    else:
+        middle = [chunk({"content": None, "tool_calls": [{"id": "chatcmpl-tool-00000000000000b1", "type": "function",
+                                                          "index": 0, "function": {"name": "web_search"}}]}),
+                  chunk({"content": None, "tool_calls": [{"index": 0, "function": {
+                      "arguments": '{"query": "capital of France"}'}}]}),
+                  chunk({}, "tool_calls")]
+    first = "data: " + json.dumps({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                        "logprobs": None, "finish_reason": None}]},
+                                  separators=(",", ":")) + "\n\n"
+    usage = "data: " + json.dumps({**head, "choices": [], "usage": {"prompt_tokens": 30, "total_tokens": 40,
+                                                                    "completion_tokens": 10}}) + "\n\n"
+    return (first + "".join(middle) + usage + "data: [DONE]\n\n").encode()
+
+
+def test_search_with_a_chat_completions_upstream() -> None:
+    provider, bodies = FakeProvider(), []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        bodies.append(body)
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=chat_stream(body))
+
+    with running_gateway(transport=httpx.MockTransport(handler), web_search=provider, upstream_api="chat") as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        with client.responses.stream(model="tiny", input="capital?", tools=[{"type": "web_search"}]) as stream:
+            list(stream)
+            final = stream.get_final_response()
+    call, message = final.output
+    assert isinstance(call, ResponseFunctionWebSearch) and call.status == "completed"
+    assert isinstance(message, ResponseOutputMessage)
+    part = message.content[0]
+    assert part.type == "output_text" and [a.url for a in part.annotations] == [RESULTS[0].url]  # type: ignore[union-attr]
+    assert [t["function"]["name"] for t in bodies[0]["tools"]] == ["web_search"]
+    assistant, tool = bodies[1]["messages"][-2:]
+    assert assistant["tool_calls"][0]["function"]["name"] == "web_search"
+    assert tool["role"] == "tool" and "[1] Paris - Wikipedia" in tool["content"]
+
+
 def test_chat_upstream_gets_the_search_as_a_tool_call_and_its_result() -> None:
     from gateway.translate.chat import build_chat_request
     from gateway.translate.tool_context import resolve_tool_context, with_web_search
