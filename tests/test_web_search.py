@@ -210,15 +210,20 @@ def test_a_slow_provider_times_out_into_a_failed_call_and_the_response_goes_on()
 
 
 def test_the_demo_provider_from_the_flags_and_the_per_key_rate() -> None:
-    up = Upstream([search_round("vLLM responses gateway"), text_round("Done [1]."), search_round(), text_round()])
+    up = Upstream([search_round("vLLM responses gateway", n=0), search_round("again", n=1), text_round("Done [1].")])
     with running_gateway(transport=httpx.MockTransport(up), web_search_provider="demo",
                          web_search_per_key_per_minute=1) as url:
-        first = post(url, {"model": "tiny", "input": "x", "tools": [{"type": "web_search"}]}).json()
-        second = post(url, {"model": "tiny", "input": "x", "tools": [{"type": "web_search"}]}).json()
-    assert first["output"][0]["status"] == "completed"
-    # the second search of the minute: a failed call, the response completes (not a 429: see engine/web_search.py)
-    assert second["status"] == "completed" and second["output"][0]["status"] == "failed"
-    assert "rate limit" in up.bodies[3]["input"][-1]["output"]
+        first = post(url, {"model": "tiny", "input": "x", "tools": [{"type": "web_search"}]})
+        second = post(url, {"model": "tiny", "input": "x", "tools": [{"type": "web_search"}]})
+        plain = post(url, {"model": "tiny", "input": "x"})  # no web search tool: not limited
+    # the first response's second search is past the rate: a failed call, and the response completes
+    assert first.status_code == 200 and first.json()["status"] == "completed"
+    assert [i["status"] for i in first.json()["output"][:2]] == ["completed", "failed"]
+    assert "rate limit" in up.bodies[2]["input"][-1]["output"]
+    # the key has no searches left this minute: the next request with a web search tool is a 429 before it starts
+    assert second.status_code == 429 and second.json()["error"]["code"] == "rate_limit_exceeded"
+    assert int(second.headers["retry-after"]) >= 1 and len(up.bodies) == 4
+    assert plain.status_code == 200
 
 
 def test_a_model_that_searches_forever_is_stopped_by_max_tool_calls() -> None:

@@ -45,6 +45,7 @@ from gateway.translate.web_search import open_sealed_searches
 from gateway.upstream.chat import chat_completion_events, chat_event_batches, responses_event_batches
 from gateway.upstream.client import UpstreamClient, UpstreamResponse
 from gateway.websearch.base import SearchProvider
+from gateway.websearch.providers import WebSearchRateLimiter
 
 log = structlog.get_logger("gateway.responses")
 
@@ -83,8 +84,8 @@ class ResponsesHandler:
     background: BackgroundRuns | None = None
     # The web search provider (gateway.websearch); None: web_search tools are passed upstream as they come.
     web_search: SearchProvider | None = None
-    # The per-key search rate (owner -> allowed now?); None: no per-key limit.
-    web_search_allow: Callable[[str | None], bool] | None = None
+    # The per-key search rate (--web-search-per-key-per-minute); None: no per-key limit.
+    web_search_rate: WebSearchRateLimiter | None = None
 
     async def respond(self, body: dict[str, Any], headers: Mapping[str, str], owner: str | None,
                       record: RequestRecord, turn: Turn | None = None, *,
@@ -109,6 +110,11 @@ class ResponsesHandler:
         ctx = resolve_tool_context(body)
         if self.web_search is not None:
             ctx = with_web_search(ctx)
+            if ctx.web_search is not None and self.web_search_rate is not None \
+                    and self.web_search_rate.retry_after(owner):
+                # The key spent its searches of the last minute: 429 (Retry-After) before the response starts;
+                # a response that runs past the rate mid-way gets failed web_search_calls instead (engine/web_search).
+                self.web_search_rate.check(owner)
         history = await resolve_history(self.store, body, owner, turn, budget)
         if turn is not None:
             turn.history, turn.input_items = history, public_input_items(body)
@@ -358,8 +364,10 @@ class ResponsesHandler:
                 return sealer.seal({"id": item_id, "content": [{"text": text}]}, owner)
 
         tool = search.definition.get("web_search_tool")
+        rate = self.web_search_rate
         return WebSearchRunner(self.web_search, self.settings, tool if isinstance(tool, dict) else {}, body,
-                               owner=owner, allow=self.web_search_allow, seal=seal, request_id=record.request_id)
+                               owner=owner, allow=rate.allow if rate is not None else None, seal=seal,
+                               request_id=record.request_id)
 
     def _open_searches(self, body: dict[str, Any], history: list[dict[str, Any]], owner: str | None
                        ) -> tuple[dict[str, Any], list[dict[str, Any]]]:

@@ -6,9 +6,10 @@ and the ``web_search_call`` item the client sees (gateway.translate.web_search).
 A search never fails the response: a provider that errs, times out or is refused becomes a ``web_search_call``
 with status ``failed``, and the model is told the search failed. Bounds, checked before the provider is asked:
 ``max_tool_calls`` and ``--max-tool-rounds`` (the loop's, shared with MCP calls), ``--web-search-max-calls-per-
-response``, and the per-key rate (``--web-search-per-key-per-minute``): a search past the rate is a failed call
-in the response, not a 429 — Codex sends ``web_search`` with every request, and refusing requests that may never
-search would stop the agent, where a failed search lets it go on. Queries, results and keys are never logged.
+response``, and the per-key rate (``--web-search-per-key-per-minute``). The rate is checked twice: a request with
+a web search tool from a key that has no searches left this minute is a 429 before its response starts
+(gateway.engine.respond; nothing is counted for it); a response that runs past the rate while it runs gets a
+failed ``web_search_call`` for each search beyond it, and goes on. Queries, results and keys are never logged.
 """
 
 from __future__ import annotations

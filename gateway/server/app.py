@@ -108,8 +108,7 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
                                     responses=ResponsesHandler(settings=keyed, upstream=upstream, store=st,
                                                                drain=drain, mcp=hub, background=runs,
                                                                web_search=searcher,
-                                                               web_search_allow=search_rate.allow
-                                                               if search_rate is not None else None))
+                                                               web_search_rate=search_rate))
         app.state.services = services.current
         try:
             yield
