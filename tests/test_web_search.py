@@ -540,3 +540,48 @@ def test_codex_gets_web_search_through_the_gateway(tmp_path: Path) -> None:
     assert q.query == "capital of France"
     output = second["input"][-1]
     assert output["type"] == "function_call_output" and "[1] Paris - Wikipedia" in output["output"]
+
+
+def test_tool_choice_web_search_under_constrain_enforcement() -> None:
+    """The default enforcement (constrain): the pinned search's arguments come from a constrained chat step (its
+    stream SYNTHESIZED in vLLM 0.32's chunk framing, tests/test_codex_cli.chat_chunks), then the loop goes on."""
+    from tests.test_codex_cli import chat_chunks
+
+    provider, up = FakeProvider(), Upstream([text_round()])
+    paths: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        paths.append(request.url.path)
+        if request.url.path == "/v1/chat/completions":
+            up.bodies.append(json.loads(request.content))
+            return httpx.Response(200, headers={"content-type": "text/event-stream"},
+                                  content=b"".join(chat_chunks(['{"query": ', '"capital of France"}'])))
+        return up(request)
+
+    with running_gateway(transport=httpx.MockTransport(handler), web_search=provider,
+                         tool_choice_enforcement="constrain") as url:
+        body = post(url, {"model": "tiny", "input": "capital?", "tools": [{"type": "web_search"}],
+                          "tool_choice": {"type": "web_search"}, "stream": True})
+    assert body.status_code == 200
+    assert paths == ["/v1/chat/completions", "/v1/responses"]
+    assert [q.query for q in provider.queries] == ["capital of France"]
+    assert "[1] Paris - Wikipedia" in up.bodies[1]["input"][-1]["output"]
+
+
+def test_mcp_and_web_search_in_one_round_share_the_call_budget() -> None:
+    from gateway.translate.mcp_items import mcp_name
+    from tests.test_mcp_loop import CALC, FakeHub
+
+    hub, provider = FakeHub(), FakeProvider()
+    both = VllmStream(response_id="resp_both").start()
+    both.call("fc_00000000000000a1", "call_a", mcp_name("calc", "add"), ['{"a": 1, "b": 2}'])
+    both.call("fc_00000000000000a2", "call_b", "web_search", ['{"query": "q"}'])
+    up = Upstream([both.complete(), text_round("3, see [1].")])
+    with running_gateway(transport=httpx.MockTransport(up), mcp=hub, web_search=provider) as url:
+        body = post(url, {"model": "tiny", "input": "x", "tools": [CALC, {"type": "web_search"}],
+                          "max_tool_calls": 1}).json()
+    assert [i["type"] for i in body["output"]] == ["mcp_list_tools", "mcp_call", "web_search_call", "message"]
+    # one call allowed: the first (the MCP call) ran, the search was shown failed and not run
+    assert body["output"][1]["output"] == "3" and body["output"][2]["status"] == "failed"
+    assert provider.queries == [] and hub.calls == [("calc", "add", {"a": 1, "b": 2})]
+    assert body["output"][3]["content"][0]["annotations"] == []
