@@ -30,8 +30,23 @@ CALLABLE_TYPES = ("function", "custom")
 WEB_SEARCH_TYPES = frozenset({"web_search", "web_search_2025_08_26", "web_search_preview",
                               "web_search_preview_2025_03_11"})
 
-__all__ = ["WEB_SEARCH_TYPES", "ResolvedToolContext", "ToolInfo", "flat_name", "public_tool", "resolve_tool_context",
-           "with_mcp_tools", "with_web_search"]
+
+def is_web_search(value: Any) -> bool:
+    """Whether a tool's (or a tool_choice's) ``type`` is a web search type; any JSON value may come in."""
+    return isinstance(value, str) and value in WEB_SEARCH_TYPES
+
+
+__all__ = [
+    "WEB_SEARCH_TYPES",
+    "ResolvedToolContext",
+    "ToolInfo",
+    "flat_name",
+    "is_web_search",
+    "public_tool",
+    "resolve_tool_context",
+    "with_mcp_tools",
+    "with_web_search",
+]
 _LABEL = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 
 
@@ -116,7 +131,7 @@ class ResolvedToolContext:
             if ctype in CALLABLE_TYPES:
                 info = self._named(choice)
                 return (info,) if info else ()
-            if ctype == "mcp" or ctype in WEB_SEARCH_TYPES:  # pinned like a named function
+            if ctype == "mcp" or is_web_search(ctype):  # pinned like a named function
                 return self._allowed() if self.allowed_upstream_names is not None else ()
             if ctype == "allowed_tools" and choice.get("mode") == "required":
                 return self._allowed()
@@ -378,7 +393,7 @@ def with_web_search(ctx: ResolvedToolContext) -> ResolvedToolContext:
     ``tool_choice`` of that type pins it like a named function. Without such a tool: ``ctx`` unchanged."""
     from gateway.translate.web_search import search_function, search_function_name  # imports nothing from here
 
-    tools = [t for t in ctx.other_tools if t.get("type") in WEB_SEARCH_TYPES]
+    tools = [t for t in ctx.other_tools if is_web_search(t.get("type"))]
     if not tools:
         return ctx
     by_upstream = dict(ctx.by_upstream_name)
@@ -389,7 +404,7 @@ def with_web_search(ctx: ResolvedToolContext) -> ResolvedToolContext:
     allowed, upstream_choice = _resolve_choice(_as_declared(ctx.tool_choice, by_upstream), ctx.tool_choice_given,
                                                True, by_upstream, labels, listed=False)
     return replace(ctx, by_upstream_name=MappingProxyType(by_upstream),
-                   other_tools=tuple(t for t in ctx.other_tools if t.get("type") not in WEB_SEARCH_TYPES),
+                   other_tools=tuple(t for t in ctx.other_tools if not is_web_search(t.get("type"))),
                    allowed_upstream_names=allowed, upstream_tool_choice=upstream_choice)
 
 
@@ -467,7 +482,7 @@ def _resolve_choice(
         if len(found) == 1:
             return frozenset({found[0].upstream_name}), {"type": "function", "name": found[0].upstream_name}
         return frozenset(i.upstream_name for i in found), "required"
-    if ctype in WEB_SEARCH_TYPES:
+    if is_web_search(ctype):
         search = next((i for i in by_upstream.values() if i.kind == "web_search"), None)
         if search is None:  # no provider: passed upstream untouched, as before
             return None, choice
@@ -501,7 +516,7 @@ def _resolve_choice(
             elif etype == "mcp":
                 names.update(i.upstream_name for i in _mcp_choice(entry, f"tool_choice.tools[{j}]", by_upstream,
                                                                   labels, listed))
-            elif etype in WEB_SEARCH_TYPES:
+            elif is_web_search(etype):
                 names.update(i.upstream_name for i in by_upstream.values() if i.kind == "web_search")
             # Other hosted tools (image_generation, ...) never reach the upstream as functions.
         return frozenset(names), mode
