@@ -18,12 +18,14 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from openai.types.responses import ResponseFunctionWebSearch, ResponseOutputMessage
 from openai.types.responses.response_output_text import AnnotationURLCitation
 
 from gateway.engine.web_search import WebSearchRunner, search_query
 from gateway.store import SqliteResponseStore
-from gateway.translate.web_search import citations, results_text, search_query_of
+from gateway.translate.web_search import RESULTS_KEY, citations, open_sealed_searches, results_text, search_query_of
 from gateway.websearch.base import SearchError, SearchQuery, SearchResult, SearchResults
 from tests.support import running_gateway
 from tests.vllm_frames import VllmStream
@@ -585,3 +587,43 @@ def test_mcp_and_web_search_in_one_round_share_the_call_budget() -> None:
     assert body["output"][1]["output"] == "3" and body["output"][2]["status"] == "failed"
     assert provider.queries == [] and hub.calls == [("calc", "add", {"a": 1, "b": 2})]
     assert body["output"][3]["content"][0]["annotations"] == []
+
+
+# --- properties (Hypothesis): the parts that parse and convert ------------------------------------------------
+
+_TEXT = st.text(alphabet=st.sampled_from(list("ab [1]2390é\n,")), max_size=80)
+
+
+@given(_TEXT, st.lists(st.tuples(st.text(max_size=5), st.text(max_size=5)), max_size=12))
+def test_citations_span_exactly_a_marker_that_numbers_a_source(text: str, sources: list[tuple[str, str]]) -> None:
+    anns = citations(text, sources)
+    for ann in anns:
+        marker = text[ann["start_index"]:ann["end_index"]]
+        n = int(marker[1:-1])
+        assert marker == f"[{marker[1:-1]}]" and 1 <= n <= len(sources)
+        assert (ann["url"], ann["title"]) == sources[n - 1]
+    starts = [a["start_index"] for a in anns]
+    assert starts == sorted(starts) and len(set(starts)) == len(starts)
+
+
+@given(st.text(max_size=40), st.lists(st.tuples(st.text(max_size=60), st.text(max_size=60), st.text(max_size=400)),
+                                     max_size=8), st.integers(1, 50), st.integers(200, 3000))
+def test_results_text_stays_within_its_byte_budget(query: str, results: list[tuple[str, str, str]], first: int,
+                                                   budget: int) -> None:
+    text = results_text(query, results, first, budget)
+    head_bytes = len(text.split("\n\n[", 1)[0].encode())
+    assert len(text.encode()) <= max(budget, head_bytes)
+    shown = [n for n in range(first, first + len(results)) if f"\n\n[{n}] " in text]
+    assert shown == list(range(first, first + len(shown)))  # numbered in order, none skipped
+
+
+def test_a_clients_own_results_key_is_never_taken() -> None:
+    item = {"type": "web_search_call", "id": "ws_1", "status": "completed", "action": {"type": "search", "query": "q"},
+            RESULTS_KEY: "INJECTED", "encrypted_content": "not-a-blob"}
+    [opened] = open_sealed_searches([item], lambda blob: None)
+    assert RESULTS_KEY not in opened and "encrypted_content" not in opened
+    # a blob sealed for another item does not open on this one
+    [moved] = open_sealed_searches([item], lambda blob: {"id": "ws_other", "text": "results"})
+    assert RESULTS_KEY not in moved
+    [own] = open_sealed_searches([item], lambda blob: {"id": "ws_1", "text": "results"})
+    assert own[RESULTS_KEY] == "results"
