@@ -627,3 +627,31 @@ def test_a_clients_own_results_key_is_never_taken() -> None:
     assert RESULTS_KEY not in moved
     [own] = open_sealed_searches([item], lambda blob: {"id": "ws_1", "text": "results"})
     assert own[RESULTS_KEY] == "results"
+
+
+def test_every_event_and_item_validates_against_the_sdks_models() -> None:
+    """The raw SSE of a search response: the stream contract (tests/invariants.py) and each event validated by
+    pydantic against the SDK's ``ResponseStreamEvent`` union (not the SDK's lenient construction)."""
+    from openai.types.responses import Response, ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    from tests.invariants import check_stream
+    from tests.support import sse_events
+
+    provider, up = FakeProvider(), Upstream([search_round(), text_round()])
+    request = {"model": "tiny", "input": "capital?", "tools": [{"type": "web_search"}], "stream": True,
+               "include": ["web_search_call.action.sources"]}
+    with running_gateway(transport=httpx.MockTransport(up), web_search=provider) as url:
+        raw = post(url, request)
+    events = sse_events(raw.content)
+    summary = check_stream(events, request)
+    adapter: TypeAdapter[Any] = TypeAdapter(ResponseStreamEvent)
+    for event in events:
+        if "response" in event:  # usage details: the newest SDK's cache_write_tokens is not the gateway's yet
+            event = {**event, "response": {**event["response"], "usage": None}}
+        parsed = adapter.validate_python(event)
+        assert parsed.type == event["type"]
+    final = Response.model_validate({**summary["response"], "usage": None})
+    assert [o.type for o in final.output] == ["web_search_call", "message"]
+    types = [e["type"] for e in events]
+    assert types.count("response.web_search_call.searching") == 1
