@@ -421,6 +421,7 @@ def test_search_query_from_the_tool() -> None:
 def test_units_of_the_pure_helpers() -> None:
     assert search_query_of('{"query": " a b "}') == "a b" and search_query_of("nope") is None
     assert search_query_of('{"query": ""}') is None and search_query_of('"direct"') == "direct"
+    assert search_query_of('{"query": "a\x04b\n  c"}') == "a b c"  # raw control characters: not strict JSON
     text = results_text("q", [("T", "https://u", "s" * 5000)], 4, 300)
     assert text.startswith("Web search results for 'q'") and "[4] T" in text and len(text.encode()) <= 300
     assert citations("x [1][2] [3]", [("u1", "t1"), ("u2", "t2")]) == [

@@ -20,6 +20,7 @@ unknown fields (Codex) resends the item without the blob: the model then gets th
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
@@ -43,6 +44,7 @@ SOURCES_INCLUDE = "web_search_call.action.sources"
 # The results text of an item, opened from its blob: internal (the history the upstream gets), never shown.
 RESULTS_KEY = "_search_results"
 _MARKER = re.compile(r"\[(\d{1,4})\]")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 _QUERY_LIMIT = 1000  # characters of the model's query kept (a search engine's own limits are lower)
 
 
@@ -63,7 +65,8 @@ def search_function(name: str) -> dict[str, Any]:
                             "excerpt. When your answer uses a result, cite it with its number in square brackets, "
                             "e.g. [1]."),
             "parameters": {"type": "object",
-                           "properties": {"query": {"type": "string", "description": "What to search the web for."}},
+                           "properties": {"query": {"type": "string", "maxLength": 200,
+                                                    "description": "What to search the web for."}},
                            "required": ["query"]}}
 
 
@@ -72,12 +75,16 @@ def search_query_of(arguments: str) -> str | None:
     try:
         value = orjson.loads(arguments.strip() or "{}")
     except orjson.JSONDecodeError:
-        return None
+        try:  # raw control characters inside the string (what a small model writes under a JSON grammar)
+            value = json.loads(arguments, strict=False)
+        except ValueError:
+            return None
     if isinstance(value, dict):
         value = value.get("query") if value.get("query") is not None else value.get("q")
-    if not isinstance(value, str) or not value.strip():
+    if not isinstance(value, str):
         return None
-    return value.strip()[:_QUERY_LIMIT]
+    value = " ".join(_CONTROL.sub(" ", value).split())  # one line: control characters and runs of space as one
+    return value[:_QUERY_LIMIT] or None
 
 
 def search_item(item_id: str, query: str | None, status: str, sources: Sequence[str] | None = None
