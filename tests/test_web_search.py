@@ -233,6 +233,9 @@ def test_a_model_that_searches_forever_is_stopped_by_max_tool_calls() -> None:
     with running_gateway(transport=httpx.MockTransport(up), web_search=provider) as url:
         body = post(url, {"model": "tiny", "input": "x", "tools": [{"type": "web_search"}],
                           "max_tool_calls": 2}).json()
+        metrics = httpx.get(url + "/metrics", timeout=10).text
+    assert 'responses_gateway_web_search_calls_total{outcome="completed",provider="demo"} 2.0' in metrics
+    assert 'responses_gateway_web_search_calls_total{outcome="not_run",provider="demo"} 1.0' in metrics
     assert body["status"] == "completed"
     statuses = [i["status"] for i in body["output"] if i["type"] == "web_search_call"]
     assert statuses == ["completed", "completed", "failed"]  # the third was withheld and shown, not run

@@ -30,3 +30,4 @@ class RequestRecord:
     enforcement: list[str] = field(default_factory=list)
     reasoning_rejected: int = 0  # sealed reasoning blobs that did not open
     mcp_calls: list[tuple[str, str, float | None]] = field(default_factory=list)  # (server label, outcome, s)
+    web_search_calls: list[tuple[str, str]] = field(default_factory=list)  # (provider, outcome)

@@ -367,7 +367,7 @@ class ResponsesHandler:
         rate = self.web_search_rate
         return WebSearchRunner(self.web_search, self.settings, tool if isinstance(tool, dict) else {}, body,
                                owner=owner, allow=rate.allow if rate is not None else None, seal=seal,
-                               request_id=record.request_id)
+                               request_id=record.request_id, outcomes=record.web_search_calls)
 
     def _open_searches(self, body: dict[str, Any], history: list[dict[str, Any]], owner: str | None
                        ) -> tuple[dict[str, Any], list[dict[str, Any]]]:

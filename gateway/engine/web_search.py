@@ -80,13 +80,15 @@ class WebSearchRunner:
 
     def __init__(self, provider: SearchProvider, settings: Any, tool: Mapping[str, Any], body: Mapping[str, Any],
                  *, owner: str | None = None, allow: Callable[[str | None], bool] | None = None,
-                 seal: Callable[[str, str], str] | None = None, request_id: str | None = None) -> None:
+                 seal: Callable[[str, str], str] | None = None, request_id: str | None = None,
+                 outcomes: list[tuple[str, str]] | None = None) -> None:
         self.provider = provider
         self.tool = tool
         self.owner = owner
         self.allow = allow
         self.seal = seal
         self.request_id = request_id
+        self.counted = outcomes if outcomes is not None else []  # (provider, outcome): the request's metrics
         self.timeout = float(getattr(settings, "web_search_timeout", 10.0) or 10.0)
         self.grace = 1.0
         self.max_results = int(getattr(settings, "web_search_max_results", 0) or 0) or None
@@ -156,6 +158,7 @@ class WebSearchRunner:
         return outcome
 
     def _log(self, outcome: str, started: float | None, results: int) -> None:
+        self.counted.append((str(getattr(self.provider, "name", "other")), outcome))
         log.info("web_search_call", request_id=self.request_id, provider=getattr(self.provider, "name", "other"),
                  outcome=outcome, results=results,
                  duration_ms=round((time.perf_counter() - started) * 1000, 1) if started is not None else None)
