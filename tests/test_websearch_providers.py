@@ -276,6 +276,32 @@ async def test_the_configured_url_host_is_allowed_even_on_a_private_address() ->
     assert fake.requests[0].headers["host"] == f"searx.cluster.local:{fake.port}"
 
 
+async def test_the_configured_url_may_even_resolve_to_the_metadata_address() -> None:
+    """The operator's --web-search-url is trusted whatever it resolves to (169.254.169.254 here): the connection is
+    attempted, on exactly that address (a stub network backend records it and fails it)."""
+    import httpcore2
+
+    attempted: list[tuple[str, int]] = []
+
+    class Recorder(httpcore2.AsyncNetworkBackend):
+        async def connect_tcp(self, host: str, port: int, timeout: float | None = None,
+                              local_address: str | None = None, socket_options: Any = None) -> Any:
+            attempted.append((host, port))
+            raise httpcore2.ConnectError("stub: no network here")
+
+    asked: list[str] = []
+    provider = build_provider(_settings("searxng", "http://metadata-proxy.internal:8080"),
+                              resolver=_resolver({"metadata-proxy.internal": ["169.254.169.254"]}, asked))
+    assert isinstance(provider, SearxngProvider)
+    provider.backend._inner = Recorder()
+    try:
+        with pytest.raises(SearchError, match="could not be reached"):
+            await provider.search(q())
+    finally:
+        await provider.aclose()
+    assert attempted == [("169.254.169.254", 8080)]
+
+
 async def test_only_the_configured_port_is_trusted() -> None:
     """The operator's host:port is trusted, not the host on any port: a metadata literal on another port is
     refused like any request URL."""
@@ -491,6 +517,28 @@ def test_bound_results_properties(raw: list[tuple[str, str, str]], max_results: 
         if domains:
             assert providers.domain_allowed(r.url, domains)
             assert "evil.example" not in r.url
+
+
+_json = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=20),
+                     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
+                         st.sampled_from(["results", "web", "url", "title", "content", "description",
+                                          "extra_snippets", "x"]), inner, max_size=5), max_leaves=20)
+# the parsers only: instances without a client (the parsing uses no connection)
+_PARSERS = [object.__new__(cls) for cls in (SearxngProvider, BraveProvider, TavilyProvider)]
+
+
+@settings(max_examples=150, deadline=None)
+@given(payload=_json)
+def test_any_json_answer_parses_or_fails_as_a_search_error(payload: Any) -> None:
+    """Whatever JSON a provider (or something pretending to be one) answers, the parser yields results or a
+    SearchError: never another exception (which would become a 500 in the engine)."""
+    for provider in _PARSERS:
+        try:
+            results = provider._results(payload)
+        except SearchError:
+            continue
+        bounded = bound_results(results, q(max_results=20), max_results=20, max_result_bytes=256)
+        assert all(isinstance(r.url, str) and isinstance(r.snippet, str) for r in bounded.results)
 
 
 def test_domain_allowed_subdomains_not_suffixes() -> None:
