@@ -409,6 +409,13 @@ def test_build_provider_off_and_misconfigured() -> None:
     with pytest.raises(ValueError):
         build_provider(Settings(web_search_provider="searxng", web_search_url="ftp://x.example/"))
     assert isinstance(build_provider(Settings(web_search_provider="brave", brave_api_key="k")), BraveProvider)
+    urls = {u: SearxngProvider(Settings(web_search_url=u)).url for u in (
+        "http://searx.lan:8888", "http://searx.lan:8888/searxng/", "http://searx.lan:8888/search")}
+    assert urls == {"http://searx.lan:8888": "http://searx.lan:8888/search",
+                    "http://searx.lan:8888/searxng/": "http://searx.lan:8888/searxng/search",
+                    "http://searx.lan:8888/search": "http://searx.lan:8888/search"}
+    proxied = BraveProvider(Settings(web_search_url="https://proxy.corp/brave", brave_api_key="k"))
+    assert proxied.url == "https://proxy.corp/brave/res/v1/web/search"
     assert isinstance(build_provider(Settings(web_search_provider="tavily", tavily_api_key="k")), TavilyProvider)
 
 
@@ -562,3 +569,10 @@ def test_the_startup_log_line_names_the_provider_not_the_key(monkeypatch: pytest
         line = next(e for e in lines if e["event"] == "web_search")
         assert line["enabled"] is enabled and (not enabled or line["provider"] == "brave")
         assert BRAVE_KEY not in err
+
+
+def test_rate_limiter_from_settings_splits_the_budget_between_workers() -> None:
+    assert WebSearchRateLimiter.from_settings(Settings(web_search_per_key_per_minute=30)).per_minute == 30
+    assert WebSearchRateLimiter.from_settings(Settings(web_search_per_key_per_minute=30, workers=4)).per_minute == 7
+    assert WebSearchRateLimiter.from_settings(Settings(web_search_per_key_per_minute=2, workers=4)).per_minute == 1
+    assert WebSearchRateLimiter.from_settings(Settings(web_search_per_key_per_minute=0, workers=4)).per_minute == 0

@@ -231,7 +231,9 @@ class _HttpProvider:
     def __init__(self, settings: Settings, *, resolver: Resolver | None = None,
                  policy: HostPolicy | None = None) -> None:
         configured = settings.web_search_url
-        self.url = configured.rstrip("/") + self.path if configured else self.default_url
+        base = configured.rstrip("/") if configured else ""
+        # a base, or already the endpoint ("https://searx.lan/search"): the path is not doubled
+        self.url = (base if base.endswith(self.path) else base + self.path) if configured else self.default_url
         scheme, _, _ = url_host_port(self.url)  # ValueError on a URL without a host: a start-up error
         if scheme not in ("http", "https"):
             raise ValueError(f"--web-search-url must be an http or https URL, not {scheme or 'schemeless'}")
@@ -536,6 +538,16 @@ class WebSearchRateLimiter:
         self.max_owners = max(1, max_owners)
         self._clock = clock
         self._stamps: OrderedDict[str, deque[float]] = OrderedDict()
+
+    @classmethod
+    def from_settings(cls, settings: Settings, **kwargs: Any) -> WebSearchRateLimiter:
+        """The limiter of one process. The windows are per process, so under ``--workers N`` each worker gets
+        ``per_minute // N`` (at least 1): a key's total stays within the flag (within N when the flag is below N),
+        however SO_REUSEPORT spreads its connections."""
+        per_minute = settings.web_search_per_key_per_minute
+        if per_minute > 0 and settings.workers > 1:
+            per_minute = max(1, per_minute // settings.workers)
+        return cls(per_minute, **kwargs)
 
     def _window(self, owner: str | None, now: float) -> deque[float]:
         key = owner or ""
