@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 from collections.abc import Sequence
 from typing import Any
 
@@ -230,6 +231,21 @@ async def test_an_unreachable_provider() -> None:
             await provider.search(q())
     finally:
         await provider.aclose()
+
+
+async def test_a_name_that_does_not_resolve() -> None:
+    async def nowhere(host: str, port: int) -> Sequence[str]:
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    for kind in ALL:
+        provider = build_provider(_settings(kind, f"http://{kind}.invalid:8888" if kind == "searxng" else None),
+                                  resolver=nowhere)
+        assert provider is not None
+        try:
+            with pytest.raises(SearchError, match="did not resolve"):
+                await provider.search(q())
+        finally:
+            await provider.aclose()
 
 
 # --- the address rules ----------------------------------------------------------------------------------------

@@ -291,6 +291,7 @@ class _HttpProvider:
 
     async def _send(self, request: httpx2.Request) -> Any:
         """The decoded JSON answer, or SearchError (status, timeout, refused address, too large, not JSON)."""
+        self.backend.refused = None  # set again if this search's connection is refused
         try:
             async with asyncio.timeout(self.timeout):
                 response = await self._client.send(request, stream=True)
@@ -320,6 +321,8 @@ class _HttpProvider:
             raise SearchError("the search provider could not be reached") from exc
         except httpx2.HTTPError as exc:
             raise SearchError("the search provider's connection failed") from exc
+        except OSError as exc:  # the resolver's (PinnedBackend resolves itself): a name that does not resolve
+            raise SearchError("the search provider could not be reached (its name did not resolve)") from exc
         try:
             return orjson.loads(bytes(body))
         except orjson.JSONDecodeError as exc:
