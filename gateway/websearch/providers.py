@@ -83,6 +83,8 @@ _QUERY_CHARS = 1000
 _BRAVE_QUERY_CHARS = 400  # Brave refuses longer queries (422)
 _PROVIDER_MAX_RESULTS = 20  # Brave's count and Tavily's max_results both stop at 20
 _CACHE_ENTRIES = 256
+# Connections to one provider: searches past it wait for one (within their --web-search-timeout).
+_LIMITS = httpx2.Limits(max_connections=64, max_keepalive_connections=16, keepalive_expiry=30.0)
 _CONTEXT_SHARE = {"low": 4, "medium": 2, "high": 1}  # divisor of --web-search-max-result-bytes per snippet
 _TAG = re.compile(r"<[^>]{0,200}>")
 _SPACE = re.compile(r"\s+")
@@ -246,7 +248,7 @@ class _HttpProvider:
         self.max_results = settings.web_search_max_results
         self.max_result_bytes = settings.web_search_max_result_bytes
         self.backend = PinnedBackend(self, self.url, configured=bool(configured))
-        transport = httpx2.AsyncHTTPTransport(trust_env=False)
+        transport = httpx2.AsyncHTTPTransport(trust_env=False, limits=_LIMITS)
         transport._pool._network_backend = self.backend  # read on every new connection (as gateway.mcp.session)
         self._client = httpx2.AsyncClient(transport=transport, trust_env=False, follow_redirects=False,
                                           timeout=httpx2.Timeout(self.timeout),
