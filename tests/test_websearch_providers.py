@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 from collections.abc import Sequence
 from typing import Any
 
@@ -232,6 +233,21 @@ async def test_an_unreachable_provider() -> None:
         await provider.aclose()
 
 
+async def test_a_name_that_does_not_resolve() -> None:
+    async def nowhere(host: str, port: int) -> Sequence[str]:
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    for kind in ALL:
+        provider = build_provider(_settings(kind, f"http://{kind}.invalid:8888" if kind == "searxng" else None),
+                                  resolver=nowhere)
+        assert provider is not None
+        try:
+            with pytest.raises(SearchError, match="did not resolve"):
+                await provider.search(q())
+        finally:
+            await provider.aclose()
+
+
 # --- the address rules ----------------------------------------------------------------------------------------
 
 def _resolver(table: dict[str, Sequence[str]], asked: list[str]) -> Any:
@@ -274,6 +290,32 @@ async def test_the_configured_url_host_is_allowed_even_on_a_private_address() ->
         fake.stop()
     assert asked == ["searx.cluster.local"] and len(found.results) == 2
     assert fake.requests[0].headers["host"] == f"searx.cluster.local:{fake.port}"
+
+
+async def test_the_configured_url_may_even_resolve_to_the_metadata_address() -> None:
+    """The operator's --web-search-url is trusted whatever it resolves to (169.254.169.254 here): the connection is
+    attempted, on exactly that address (a stub network backend records it and fails it)."""
+    import httpcore2
+
+    attempted: list[tuple[str, int]] = []
+
+    class Recorder(httpcore2.AsyncNetworkBackend):
+        async def connect_tcp(self, host: str, port: int, timeout: float | None = None,
+                              local_address: str | None = None, socket_options: Any = None) -> Any:
+            attempted.append((host, port))
+            raise httpcore2.ConnectError("stub: no network here")
+
+    asked: list[str] = []
+    provider = build_provider(_settings("searxng", "http://metadata-proxy.internal:8080"),
+                              resolver=_resolver({"metadata-proxy.internal": ["169.254.169.254"]}, asked))
+    assert isinstance(provider, SearxngProvider)
+    provider.backend._inner = Recorder()
+    try:
+        with pytest.raises(SearchError, match="could not be reached"):
+            await provider.search(q())
+    finally:
+        await provider.aclose()
+    assert attempted == [("169.254.169.254", 8080)]
 
 
 async def test_only_the_configured_port_is_trusted() -> None:
@@ -383,6 +425,13 @@ def test_build_provider_off_and_misconfigured() -> None:
     with pytest.raises(ValueError):
         build_provider(Settings(web_search_provider="searxng", web_search_url="ftp://x.example/"))
     assert isinstance(build_provider(Settings(web_search_provider="brave", brave_api_key="k")), BraveProvider)
+    urls = {u: SearxngProvider(Settings(web_search_url=u)).url for u in (
+        "http://searx.lan:8888", "http://searx.lan:8888/searxng/", "http://searx.lan:8888/search")}
+    assert urls == {"http://searx.lan:8888": "http://searx.lan:8888/search",
+                    "http://searx.lan:8888/searxng/": "http://searx.lan:8888/searxng/search",
+                    "http://searx.lan:8888/search": "http://searx.lan:8888/search"}
+    proxied = BraveProvider(Settings(web_search_url="https://proxy.corp/brave", brave_api_key="k"))
+    assert proxied.url == "https://proxy.corp/brave/res/v1/web/search"
     assert isinstance(build_provider(Settings(web_search_provider="tavily", tavily_api_key="k")), TavilyProvider)
 
 
@@ -493,6 +542,28 @@ def test_bound_results_properties(raw: list[tuple[str, str, str]], max_results: 
             assert "evil.example" not in r.url
 
 
+_json = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=20),
+                     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
+                         st.sampled_from(["results", "web", "url", "title", "content", "description",
+                                          "extra_snippets", "x"]), inner, max_size=5), max_leaves=20)
+# the parsers only: instances without a client (the parsing uses no connection)
+_PARSERS = [object.__new__(cls) for cls in (SearxngProvider, BraveProvider, TavilyProvider)]
+
+
+@settings(max_examples=150, deadline=None)
+@given(payload=_json)
+def test_any_json_answer_parses_or_fails_as_a_search_error(payload: Any) -> None:
+    """Whatever JSON a provider (or something pretending to be one) answers, the parser yields results or a
+    SearchError: never another exception (which would become a 500 in the engine)."""
+    for provider in _PARSERS:
+        try:
+            results = provider._results(payload)
+        except SearchError:
+            continue
+        bounded = bound_results(results, q(max_results=20), max_results=20, max_result_bytes=256)
+        assert all(isinstance(r.url, str) and isinstance(r.snippet, str) for r in bounded.results)
+
+
 def test_domain_allowed_subdomains_not_suffixes() -> None:
     assert providers.domain_allowed("https://docs.example.com/a", ["example.com"])
     assert providers.domain_allowed("https://example.com/", ["https://EXAMPLE.com/path"])
@@ -514,3 +585,10 @@ def test_the_startup_log_line_names_the_provider_not_the_key(monkeypatch: pytest
         line = next(e for e in lines if e["event"] == "web_search")
         assert line["enabled"] is enabled and (not enabled or line["provider"] == "brave")
         assert BRAVE_KEY not in err
+
+
+def test_rate_limiter_from_settings_splits_the_budget_between_workers() -> None:
+    assert WebSearchRateLimiter.from_settings(Settings(web_search_per_key_per_minute=30)).per_minute == 30
+    assert WebSearchRateLimiter.from_settings(Settings(web_search_per_key_per_minute=30, workers=4)).per_minute == 7
+    assert WebSearchRateLimiter.from_settings(Settings(web_search_per_key_per_minute=2, workers=4)).per_minute == 1
+    assert WebSearchRateLimiter.from_settings(Settings(web_search_per_key_per_minute=0, workers=4)).per_minute == 0

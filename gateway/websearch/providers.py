@@ -83,6 +83,8 @@ _QUERY_CHARS = 1000
 _BRAVE_QUERY_CHARS = 400  # Brave refuses longer queries (422)
 _PROVIDER_MAX_RESULTS = 20  # Brave's count and Tavily's max_results both stop at 20
 _CACHE_ENTRIES = 256
+# Connections to one provider: searches past it wait for one (within their --web-search-timeout).
+_LIMITS = httpx2.Limits(max_connections=64, max_keepalive_connections=16, keepalive_expiry=30.0)
 _CONTEXT_SHARE = {"low": 4, "medium": 2, "high": 1}  # divisor of --web-search-max-result-bytes per snippet
 _TAG = re.compile(r"<[^>]{0,200}>")
 _SPACE = re.compile(r"\s+")
@@ -231,7 +233,9 @@ class _HttpProvider:
     def __init__(self, settings: Settings, *, resolver: Resolver | None = None,
                  policy: HostPolicy | None = None) -> None:
         configured = settings.web_search_url
-        self.url = configured.rstrip("/") + self.path if configured else self.default_url
+        base = configured.rstrip("/") if configured else ""
+        # a base, or already the endpoint ("https://searx.lan/search"): the path is not doubled
+        self.url = (base if base.endswith(self.path) else base + self.path) if configured else self.default_url
         scheme, _, _ = url_host_port(self.url)  # ValueError on a URL without a host: a start-up error
         if scheme not in ("http", "https"):
             raise ValueError(f"--web-search-url must be an http or https URL, not {scheme or 'schemeless'}")
@@ -244,7 +248,7 @@ class _HttpProvider:
         self.max_results = settings.web_search_max_results
         self.max_result_bytes = settings.web_search_max_result_bytes
         self.backend = PinnedBackend(self, self.url, configured=bool(configured))
-        transport = httpx2.AsyncHTTPTransport(trust_env=False)
+        transport = httpx2.AsyncHTTPTransport(trust_env=False, limits=_LIMITS)
         transport._pool._network_backend = self.backend  # read on every new connection (as gateway.mcp.session)
         self._client = httpx2.AsyncClient(transport=transport, trust_env=False, follow_redirects=False,
                                           timeout=httpx2.Timeout(self.timeout),
@@ -289,6 +293,7 @@ class _HttpProvider:
 
     async def _send(self, request: httpx2.Request) -> Any:
         """The decoded JSON answer, or SearchError (status, timeout, refused address, too large, not JSON)."""
+        self.backend.refused = None  # set again if this search's connection is refused
         try:
             async with asyncio.timeout(self.timeout):
                 response = await self._client.send(request, stream=True)
@@ -318,6 +323,8 @@ class _HttpProvider:
             raise SearchError("the search provider could not be reached") from exc
         except httpx2.HTTPError as exc:
             raise SearchError("the search provider's connection failed") from exc
+        except OSError as exc:  # the resolver's (PinnedBackend resolves itself): a name that does not resolve
+            raise SearchError("the search provider could not be reached (its name did not resolve)") from exc
         try:
             return orjson.loads(bytes(body))
         except orjson.JSONDecodeError as exc:
@@ -536,6 +543,16 @@ class WebSearchRateLimiter:
         self.max_owners = max(1, max_owners)
         self._clock = clock
         self._stamps: OrderedDict[str, deque[float]] = OrderedDict()
+
+    @classmethod
+    def from_settings(cls, settings: Settings, **kwargs: Any) -> WebSearchRateLimiter:
+        """The limiter of one process. The windows are per process, so under ``--workers N`` each worker gets
+        ``per_minute // N`` (at least 1): a key's total stays within the flag (within N when the flag is below N),
+        however SO_REUSEPORT spreads its connections."""
+        per_minute = settings.web_search_per_key_per_minute
+        if per_minute > 0 and settings.workers > 1:
+            per_minute = max(1, per_minute // settings.workers)
+        return cls(per_minute, **kwargs)
 
     def _window(self, owner: str | None, now: float) -> deque[float]:
         key = owner or ""
