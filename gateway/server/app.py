@@ -81,7 +81,7 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
     # A provider missing its URL or key fails here, at start-up.
     searcher: SearchProvider | None = build_provider(settings) if web_search == "from-settings" \
         else web_search  # type: ignore[assignment]
-    search_rate = WebSearchRateLimiter(settings.web_search_per_key_per_minute) if searcher is not None else None
+    search_rate = WebSearchRateLimiter.from_settings(settings) if searcher is not None else None
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
