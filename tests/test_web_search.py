@@ -659,3 +659,28 @@ def test_every_event_and_item_validates_against_the_sdks_models() -> None:
     assert [o.type for o in final.output] == ["web_search_call", "message"]
     types = [e["type"] for e in events]
     assert types.count("response.web_search_call.searching") == 1
+
+
+def test_a_conversation_continued_in_background_sends_its_search_upstream(tmp_path: Path) -> None:
+    import time
+
+    provider = FakeProvider()
+    up = Upstream([search_round(), text_round(), text_round("again")])
+    with running_gateway(transport=httpx.MockTransport(up), web_search=provider,
+                         store=SqliteResponseStore(tmp_path / "r.db")) as url:
+        conv = httpx.post(url + "/v1/conversations", json={"items": []}).json()
+        first = post(url, {"model": "tiny", "conversation": conv["id"], "tools": [{"type": "web_search"}],
+                           "input": "capital?"}).json()
+        queued = post(url, {"model": "tiny", "conversation": conv["id"], "tools": [{"type": "web_search"}],
+                            "background": True, "input": "and?"}).json()
+        deadline = time.monotonic() + 20
+        while (later := httpx.get(f"{url}/v1/responses/{queued['id']}").json())["status"] in ("queued",
+                                                                                             "in_progress"):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        items = httpx.get(f"{url}/v1/conversations/{conv['id']}/items", params={"order": "asc"}).json()["data"]
+    assert [i["type"] for i in first["output"]] == ["web_search_call", "message"]
+    assert later["status"] == "completed"
+    assert [i["type"] for i in items][:3] == ["message", "web_search_call", "message"]
+    outputs = [i for i in up.bodies[-1]["input"] if i.get("type") == "function_call_output"]
+    assert len(outputs) == 1 and "[1] Paris - Wikipedia" in outputs[0]["output"]
