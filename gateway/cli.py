@@ -56,6 +56,9 @@ def run(settings: Settings, *, demo: bool = False) -> int:
     log = structlog.get_logger("gateway.cli")
     for event, message in startup_warnings(settings):
         log.warning(event, message=message)
+    from gateway.websearch.providers import startup_fields
+
+    log.info("web_search", **startup_fields(settings))  # on or off, the provider and its host; never a key
     if settings.workers > 1 and not demo:
         return _run_workers(settings)
     transport = None
@@ -115,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
             # The recordings are vLLM /v1/responses answers; constrained generation would ask /v1/chat/completions
             # for answers that were never recorded.
             overrides["tool_choice_enforcement"] = "off"
+        if not os.environ.get("GATEWAY_WEB_SEARCH_PROVIDER"):
+            overrides["web_search_provider"] = "demo"  # a fixed local corpus: web_search round trips, no network
         from gateway.demo_mcp import start_demo_mcp
 
         servers_file = os.path.join(folder, "mcp-servers.json")

@@ -136,6 +136,28 @@ OPTIONS: tuple[Option, ...] = (
     Option("workers", "--workers", "GATEWAY_WORKERS", int,
            "Processes serving the port (SO_REUSEPORT); metrics, limits, background runs and the reasoning key are "
            "shared by all of them."),
+    Option("web_search_provider", "--web-search-provider", "GATEWAY_WEB_SEARCH_PROVIDER", str,
+           "Search engine the gateway runs web_search tools on; unset: web search is off and web_search tools are "
+           "passed upstream unchanged.", choices=("searxng", "brave", "tavily", "demo")),
+    Option("web_search_url", "--web-search-url", "GATEWAY_WEB_SEARCH_URL", str,
+           "SearXNG's base URL (required for searxng); for brave and tavily an override of their API base. Its "
+           "host is allowed even when it is loopback or private (the operator named it)."),
+    Option("brave_api_key", "--brave-api-key", "GATEWAY_BRAVE_API_KEY", str,
+           "Brave Search API subscription token (X-Subscription-Token).", secret=True),
+    Option("tavily_api_key", "--tavily-api-key", "GATEWAY_TAVILY_API_KEY", str,
+           "Tavily API key (sent as Authorization: Bearer).", secret=True),
+    Option("web_search_timeout", "--web-search-timeout", "GATEWAY_WEB_SEARCH_TIMEOUT", float,
+           "Seconds one search may take (connect, answer and body) before its web_search_call fails."),
+    Option("web_search_max_results", "--web-search-max-results", "GATEWAY_WEB_SEARCH_MAX_RESULTS", int,
+           "Results one search returns at most (Brave and Tavily cap at 20)."),
+    Option("web_search_max_result_bytes", "--web-search-max-result-bytes", "GATEWAY_WEB_SEARCH_MAX_RESULT_BYTES", int,
+           "UTF-8 bytes of one result's snippet at search_context_size high (medium: half, low: a quarter); a "
+           "search's total is at most this times --web-search-max-results."),
+    Option("web_search_max_calls_per_response", "--web-search-max-calls-per-response",
+           "GATEWAY_WEB_SEARCH_MAX_CALLS_PER_RESPONSE", int,
+           "Searches one response may run; later web_search_calls fail without reaching the provider."),
+    Option("web_search_per_key_per_minute", "--web-search-per-key-per-minute", "GATEWAY_WEB_SEARCH_PER_KEY_PER_MINUTE",
+           int, "Searches one API key (the whole gateway without keys) may run per minute before 429; 0: no bound."),
 )
 
 
@@ -179,6 +201,15 @@ class Settings:
     proxy_paths: tuple[str, ...] = DEFAULT_PROXY_PATHS
     sqlite_synchronous: Literal["full", "normal"] = "full"
     workers: int = 1
+    web_search_provider: Literal["searxng", "brave", "tavily", "demo"] | None = None
+    web_search_url: str | None = None
+    brave_api_key: str | None = field(default=None, repr=False)
+    tavily_api_key: str | None = field(default=None, repr=False)
+    web_search_timeout: float = 10.0
+    web_search_max_results: int = 10
+    web_search_max_result_bytes: int = 4096
+    web_search_max_calls_per_response: int = 8
+    web_search_per_key_per_minute: int = 30
 
     def all_api_keys(self) -> tuple[str, ...]:
         keys = list(self.api_keys)
@@ -251,6 +282,13 @@ def load_settings(args: argparse.Namespace | None = None, env: Mapping[str, str]
     values.update(overrides)
     if values.get("workers", 1) < 1:
         raise SystemExit("--workers / GATEWAY_WORKERS must be at least 1")
+    for name, least in (("web_search_max_results", 1), ("web_search_max_result_bytes", 64),
+                        ("web_search_max_calls_per_response", 1), ("web_search_per_key_per_minute", 0)):
+        if values.get(name, least) < least:
+            opt = next(o for o in OPTIONS if o.name == name)
+            raise SystemExit(f"{opt.flag} / {opt.env} must be at least {least}")
+    if values.get("web_search_timeout", 1.0) <= 0:
+        raise SystemExit("--web-search-timeout / GATEWAY_WEB_SEARCH_TIMEOUT must be positive")
     return Settings(**values)
 
 

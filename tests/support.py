@@ -80,7 +80,8 @@ def serve_in_thread(app: Any, port: int | None = None) -> Iterator[tuple[str, uv
 
 @contextlib.contextmanager
 def running_gateway(settings: Settings | None = None, *, transport: httpx.AsyncBaseTransport | None = None,
-                    store: ResponseStore | str | None = None, mcp: Any = None, **overrides: Any) -> Iterator[str]:
+                    store: ResponseStore | str | None = None, mcp: Any = None, web_search: Any = "from-settings",
+                    **overrides: Any) -> Iterator[str]:
     """A real gateway (uvicorn on loopback, in a thread); yields its base URL (``http://127.0.0.1:PORT``).
 
     The core-path default is ``tool_choice_enforcement="off"``; enforcement tests ask for their mode.
@@ -88,7 +89,8 @@ def running_gateway(settings: Settings | None = None, *, transport: httpx.AsyncB
     port = free_port()
     base = settings or Settings(upstream_url="http://upstream.test", store="none", tool_choice_enforcement="off")
     settings = base.with_overrides(host="127.0.0.1", port=port, **overrides)
-    with serve_in_thread(create_app(settings, transport=transport, store=store, mcp=mcp), port) as (url, _server):
+    with serve_in_thread(create_app(settings, transport=transport, store=store, mcp=mcp,
+                                           web_search=web_search), port) as (url, _server):
         yield url
 
 

@@ -34,3 +34,4 @@ class RequestRecord:
     compaction_rejected: int = 0  # compaction items whose encrypted_content did not open (a 400)
     compactions: int = 0  # compaction passes run (gateway.engine.compaction)
     mcp_calls: list[tuple[str, str, float | None]] = field(default_factory=list)  # (server label, outcome, s)
+    web_search_calls: list[tuple[str, str]] = field(default_factory=list)  # (provider, outcome)

@@ -33,6 +33,7 @@ from gateway.engine.outcome import Answered, Outcome, Persist, Streamed, Turn
 from gateway.engine.record import RequestRecord
 from gateway.engine.takeover import GrammarTakeover
 from gateway.engine.tool_loop import McpHub, ToolLoop
+from gateway.engine.web_search import WebSearchRunner
 from gateway.errors import GatewayError, InvalidRequest, StreamFailure
 from gateway.protocol.conversations import conversation_item, conversation_ref
 from gateway.protocol.events import ClientEvent, UpstreamEvent, with_failed_terminal
@@ -42,11 +43,14 @@ from gateway.translate.chat import ChatToResponsesEvents, build_chat_request
 from gateway.translate.restore import RequestState, build_request_state, restore_output, restore_response
 from gateway.translate.rewrite import build_upstream_request
 from gateway.translate.sealing import ReasoningSealer, open_sealed_reasoning, parse_keys
-from gateway.translate.tool_context import ResolvedToolContext, ToolInfo, resolve_tool_context
+from gateway.translate.tool_context import ResolvedToolContext, ToolInfo, resolve_tool_context, with_web_search
 from gateway.translate.translator import FunctionSseTranslator
 from gateway.translate.usage import add_usage
+from gateway.translate.web_search import open_sealed_searches
 from gateway.upstream.chat import chat_completion_events, chat_event_batches, responses_event_batches
 from gateway.upstream.client import UpstreamClient, UpstreamResponse
+from gateway.websearch.base import SearchProvider
+from gateway.websearch.providers import WebSearchRateLimiter
 
 log = structlog.get_logger("gateway.responses")
 
@@ -88,6 +92,10 @@ class ResponsesHandler:
     # Token counts and the context window (gateway.engine.context); None: no window checks, no truncation.
     meter: ContextMeter | None = None
     _compactor: Compactor | None = None
+    # The web search provider (gateway.websearch); None: web_search tools are passed upstream as they come.
+    web_search: SearchProvider | None = None
+    # The per-key search rate (--web-search-per-key-per-minute); None: no per-key limit.
+    web_search_rate: WebSearchRateLimiter | None = None
 
     async def respond(self, body: dict[str, Any], headers: Mapping[str, str], owner: str | None,
                       record: RequestRecord, turn: Turn | None = None, *,
@@ -110,6 +118,13 @@ class ResponsesHandler:
         budget = HistoryBudget(self.settings.max_history_bytes)
         body = await resolve_references(self.store, body, owner, budget)
         ctx = resolve_tool_context(body)
+        if self.web_search is not None:
+            ctx = with_web_search(ctx)
+            if ctx.web_search is not None and self.web_search_rate is not None \
+                    and self.web_search_rate.retry_after(owner):
+                # The key spent its searches of the last minute: 429 (Retry-After) before the response starts;
+                # a response that runs past the rate mid-way gets failed web_search_calls instead (engine/web_search).
+                self.web_search_rate.check(owner)
         history = await resolve_history(self.store, body, owner, turn, budget)
         if turn is not None:
             turn.history, turn.input_items = history, public_input_items(body)
@@ -119,6 +134,7 @@ class ResponsesHandler:
         persist = self._persister(body, state, owner) if self._should_store(body) or conversation_ref(body) \
             else None
         body, history, state = self._reasoning(body, history, state, record, owner)
+        body, history = self._open_searches(body, history, owner)
         # Compaction (gateway.engine.compaction): compaction items opened into their summaries; a trigger or a
         # context_management threshold compacts the context into a compaction item first in the output.
         body, history, pending = await self.compactor().prepare(body, history, headers, record, owner, self.meter,
@@ -146,7 +162,7 @@ class ResponsesHandler:
             return await self._no_generation(state, record, persist)
         fitted = await self._fit(body, state.ctx, history, headers)
         body, history = fitted.body, fitted.history
-        if ctx.mcp_tools:
+        if ctx.mcp_tools or ctx.web_search is not None:
             return await self._mcp(body, state, record, persist, history, headers, extra, owner)
         plan = plan_for(ctx, self.settings.tool_choice_enforcement)
         if self.settings.upstream_api != "responses" or plan.active:
@@ -372,12 +388,16 @@ class ResponsesHandler:
     async def _mcp(self, body: dict[str, Any], state: RequestState, record: RequestRecord, persist: Persist | None,
                    history: list[dict[str, Any]], headers: Mapping[str, str], extra: Mapping[str, str],
                    owner: str | None) -> Outcome:
-        """A response whose tools the gateway runs: the tool loop (gateway.engine.tool_loop) produces it."""
-        if self.mcp is None:
-            raise InvalidRequest("This gateway does not run mcp tools.", param="tools", code="mcp_not_enabled")
-        ctx, executor = self.mcp.bind(state.ctx, body, owner)
-        state = replace(state, ctx=ctx)
-        loop = ToolLoop(self, body, state, history, headers, extra, record, persist, executor, owner)
+        """A response whose tools the gateway runs (MCP, web search): the tool loop (gateway.engine.tool_loop)
+        produces it."""
+        executor: Any = _NoMcp()
+        if state.ctx.mcp_tools:
+            if self.mcp is None:
+                raise InvalidRequest("This gateway does not run mcp tools.", param="tools", code="mcp_not_enabled")
+            ctx, executor = self.mcp.bind(state.ctx, body, owner)
+            state = replace(state, ctx=ctx)
+        loop = ToolLoop(self, body, state, history, headers, extra, record, persist, executor, owner,
+                        searcher=self._searcher(state.ctx, body, owner, record))
         loop.check_approvals()  # an answer to a request the gateway did not issue is a 400 before anything runs
         state, shown = await loop.prepare()
         frames = loop.frames(state, shown)
@@ -481,6 +501,43 @@ class ResponsesHandler:
         if wants:
             state = replace(state, seal=functools.partial(sealer.seal, owner=owner))
         return body, history, state
+
+    def _searcher(self, ctx: ResolvedToolContext, body: Mapping[str, Any], owner: str | None,
+                  record: RequestRecord) -> WebSearchRunner | None:
+        search = ctx.web_search
+        if search is None or self.web_search is None:
+            return None
+        seal = None
+        if self.settings.reasoning_key:
+            sealer = self.reasoning_sealer()
+
+            def seal(item_id: str, text: str) -> str:
+                return sealer.seal({"id": item_id, "content": [{"text": text}]}, owner)
+
+        tool = search.definition.get("web_search_tool")
+        rate = self.web_search_rate
+        return WebSearchRunner(self.web_search, self.settings, tool if isinstance(tool, dict) else {}, body,
+                               owner=owner, allow=rate.allow if rate is not None else None, seal=seal,
+                               request_id=record.request_id, outcomes=record.web_search_calls)
+
+    def _open_searches(self, body: dict[str, Any], history: list[dict[str, Any]], owner: str | None
+                       ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """Searches of earlier turns (the chain, or resent by the client): their sealed results opened for the
+        upstream, for this owner only (gateway.translate.web_search); the stored input keeps what was sent."""
+        raw = body.get("input")
+        if not any(isinstance(i, dict) and i.get("type") == "web_search_call"
+                   for i in [*history, *(raw if isinstance(raw, list) else ())]):
+            return body, history
+        opener = None
+        if self.settings.reasoning_key:
+            sealer = self.reasoning_sealer()
+
+            def opener(blob: Any) -> dict[str, Any] | None:
+                return sealer.open(blob, owner)
+
+        if isinstance(raw, list):
+            body = {**body, "input": open_sealed_searches(raw, opener)}
+        return body, open_sealed_searches(history, opener)
 
     def reasoning_sealer(self) -> ReasoningSealer:
         if self.sealer is None:
@@ -673,6 +730,19 @@ class ResponsesHandler:
                 log.warning("conversation_gone", conversation_id=conversation_id, response_id=final.get("id"))
 
         return persist
+
+
+class _NoMcp:
+    """The loop's MCP side when a response runs only web search: no servers."""
+
+    async def list_tools(self, label: str) -> list[dict[str, Any]]:
+        return []
+
+    async def call_tool(self, label: str, name: str, arguments: dict[str, Any]) -> Any:
+        raise RuntimeError("no MCP servers in this request")
+
+    def metric_label(self, label: str) -> str:
+        return "other"
 
 
 @dataclass(frozen=True, slots=True)

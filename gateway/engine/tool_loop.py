@@ -22,6 +22,9 @@ A response with MCP tools runs as:
    approval, ends the response there (its gateway-owned calls run first).
 4. *Bounds*: ``max_tool_calls`` caps the calls run per response, ``--max-tool-rounds`` the rounds that run
    calls; past either, one more round runs with the tools withheld so the model answers in text.
+
+Web search (gateway.engine.web_search) runs on the same loop: a call of the search function is a gateway-owned
+``web_search_call``, searched between rounds like an MCP call and counted against the same bounds.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import structlog
 from gateway.config import Settings
 from gateway.engine.drain import Drain, ShuttingDown
 from gateway.engine.outcome import Persist
+from gateway.engine.web_search import SearchOutcome, WebSearchRunner
 from gateway.errors import InvalidRequest
 from gateway.protocol.events import ClientEvent
 from gateway.runtime import new_id
@@ -48,6 +52,7 @@ from gateway.translate.mcp_items import CEILING_APPROVAL, McpCallOutcome, list_t
 from gateway.translate.restore import RequestState
 from gateway.translate.tool_context import ResolvedToolContext, with_mcp_tools
 from gateway.translate.translator import FunctionSseTranslator
+from gateway.translate.web_search import RESULTS_KEY, search_item
 
 if TYPE_CHECKING:
     from gateway.engine.record import RequestRecord
@@ -222,7 +227,8 @@ class ToolLoop:
 
     def __init__(self, host: RoundHost, body: dict[str, Any], state: RequestState, history: list[dict[str, Any]],
                  headers: Mapping[str, str], extra: Mapping[str, str], record: RequestRecord,
-                 persist: Persist | None, executor: McpExecutor, owner: str | None = None) -> None:
+                 persist: Persist | None, executor: McpExecutor, owner: str | None = None,
+                 searcher: WebSearchRunner | None = None) -> None:
         self.host = host
         self.settings = host.settings
         self.body = body
@@ -242,6 +248,7 @@ class ToolLoop:
         mtc = body.get("max_tool_calls")
         self.max_calls = mtc if isinstance(mtc, int) and mtc >= 0 else None
         self.executed = 0
+        self.searcher = searcher
 
     # ------------------------------------------------------------------ before the first round
 
@@ -351,6 +358,10 @@ class ToolLoop:
             calls = translator.owned_calls()
             if withhold:  # the tools were withheld and the model called one anyway: shown, not run
                 for call in calls:
+                    if call["kind"] == "web_search":
+                        yield self._search_not_run(translator, call, "Not searched: the response reached its "
+                                                   "tool-round or call bound.")
+                        continue
                     self.record.mcp_calls.append((self._metric_label(call["server_label"]), "not_run", None))
                     yield translator.complete_owned(call["key"], error=WITHHELD)
             else:
@@ -358,8 +369,10 @@ class ToolLoop:
                     yield chunk
                 if translator.finished:
                     return
-            # This round's items (the approved calls run before it share its number: not twice).
-            round_history += [i for i in translator.round_items() if not any(i is r for r in round_history)]
+            # This round's items (the approved calls run before it share its number: not twice); a search as
+            # the model read it.
+            round_history += [self._as_read(i) for i in translator.round_items()
+                              if not any(i is r for r in round_history)]
             rounds_run += 1
             if withhold or translator.client_calls_in_round or translator.approval_requested:
                 frames = translator.end()
@@ -387,18 +400,23 @@ class ToolLoop:
         budget = None if self.max_calls is None else max(self.max_calls - self.executed, 0)
         runnable = calls if budget is None else calls[:budget]
         for call in calls[len(runnable):]:
+            if call["kind"] == "web_search":
+                yield self._search_not_run(translator, call, "Not searched: the response reached max_tool_calls.")
+                continue
             self.record.mcp_calls.append((self._metric_label(call["server_label"]), "not_run", None))
             yield translator.complete_owned(call["key"], error=NOT_RUN)
         self.executed += len(runnable)
         sem = asyncio.Semaphore(CALL_CONCURRENCY)
 
-        async def one(call: dict[str, Any]) -> tuple[dict[str, Any], McpCallOutcome]:
+        async def one(call: dict[str, Any]) -> tuple[dict[str, Any], McpCallOutcome | SearchOutcome]:
             async with sem:
+                if call["kind"] == "web_search":
+                    return call, await self._search(call)
                 return call, await self._call(call["server_label"], call["name"], call["arguments"])
 
         tasks = [asyncio.ensure_future(one(c)) for c in runnable]
 
-        async def results() -> AsyncGenerator[tuple[dict[str, Any], McpCallOutcome], None]:
+        async def results() -> AsyncGenerator[tuple[dict[str, Any], McpCallOutcome | SearchOutcome], None]:
             for next_done in asyncio.as_completed(tasks):
                 yield await next_done
 
@@ -406,12 +424,18 @@ class ToolLoop:
         source = drain.guard(results()) if drain is not None else results()
         try:
             async for call, result in source:
-                yield translator.complete_owned(call["key"], output=result.output, error=result.error)
+                if isinstance(result, SearchOutcome):
+                    yield translator.complete_search(call["key"], result.item, result.sources)
+                else:
+                    yield translator.complete_owned(call["key"], output=result.output, error=result.error)
         except ShuttingDown:
             # The drain period is over: calls still running are abandoned, and the response ends failed.
             out: list[ClientEvent] = []
             for call in runnable:
-                out += translator.complete_owned(call["key"], error=SHUTDOWN)
+                if call["kind"] == "web_search":
+                    out += translator.complete_search(call["key"], search_item(call["key"], call["query"], "failed"))
+                else:
+                    out += translator.complete_owned(call["key"], error=SHUTDOWN)
             out += translator.fail("gateway_shutting_down", "The gateway is shutting down; the response was ended "
                                    "after the drain period. Retry the request.")
             await self.host.loop_finished(translator, self.record, self.persist, out)
@@ -420,6 +444,26 @@ class ToolLoop:
             for task in tasks:
                 task.cancel()
             await source.aclose()  # now, not when the collector finds it (a client that left stops us mid-loop)
+
+    async def _search(self, call: Mapping[str, Any]) -> SearchOutcome:
+        if self.searcher is None:  # no provider: the function is never offered, so this is not reached
+            return SearchOutcome(search_item(str(call["key"]), call.get("query"), "failed"),
+                                 "Web search is not available.")
+        return await self.searcher.run(str(call["key"]), call.get("query"))
+
+    def _search_not_run(self, translator: FunctionSseTranslator, call: Mapping[str, Any], why: str
+                        ) -> list[ClientEvent]:
+        item = search_item(str(call["key"]), call.get("query"), "failed")
+        if self.searcher is not None:
+            item = self.searcher.not_run(item, why)
+        return translator.complete_search(str(call["key"]), item)
+
+    def _as_read(self, item: dict[str, Any]) -> dict[str, Any]:
+        """A round's item as the next round's history: a search with the results the model read."""
+        if item.get("type") != "web_search_call" or self.searcher is None:
+            return item
+        text = self.searcher.outcomes.get(str(item.get("id")))
+        return item if text is None else {**item, RESULTS_KEY: text}
 
     async def _run_approved(self, request: Mapping[str, Any], response: Mapping[str, Any]) -> dict[str, Any]:
         label, name, arguments = str(request.get("server_label")), str(request.get("name")), str(

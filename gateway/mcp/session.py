@@ -56,7 +56,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, Protocol, TypeVar
 from urllib.parse import urlsplit
 
 import anyio
@@ -83,7 +83,7 @@ from pydantic import BaseModel, ValidationError
 from gateway.mcp.policy import HostPolicy, is_ip_literal, url_host_port
 
 __all__ = ["OUTPUT_TRUNCATED_NOTE", "AddressRefused", "McpCallResult", "McpPool", "McpServerError", "McpServerRef",
-           "PinnedBackend", "Resolver"]
+           "PinSource", "PinnedBackend", "Resolver"]
 
 log = structlog.get_logger("gateway.mcp")
 
@@ -268,13 +268,22 @@ class AddressRefused(httpcore2.ConnectError):
     """A connection the host policy refused (the name resolved to a sensitive address); never attempted."""
 
 
+class PinSource(Protocol):
+    """What ``PinnedBackend`` reads on each connection: an ``McpPool``, or another owner of outbound calls that
+    follows the same address rules (``gateway.websearch.providers``)."""
+
+    _policy: HostPolicy | None
+    _resolver: Resolver
+    _connect_timeout: float
+
+
 class PinnedBackend(httpcore2.AsyncNetworkBackend):
     """httpcore's network backend for one session: each ``connect_tcp`` resolves the host, checks the addresses
     against the policy and connects to exactly those (the TLS layer above still uses the URL's host for SNI and
     the certificate). A configured server's own host:port is trusted (the operator named it); any other host
     (a redirect) is judged like a request's URL."""
 
-    def __init__(self, pool: McpPool, url: str, configured: bool, inner: httpcore2.AsyncNetworkBackend | None = None
+    def __init__(self, pool: PinSource, url: str, configured: bool, inner: httpcore2.AsyncNetworkBackend | None = None
                  ) -> None:
         self._pool = pool
         self._scheme, host, port = url_host_port(url)

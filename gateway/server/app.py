@@ -37,6 +37,8 @@ from gateway.server.services import Services, ServicesRef
 from gateway.server.websocket import ResponsesSocket
 from gateway.store import ResponseStore, open_store, run_sweeper
 from gateway.upstream.client import UpstreamClient
+from gateway.websearch.base import SearchProvider
+from gateway.websearch.providers import WebSearchRateLimiter, build_provider
 
 if TYPE_CHECKING:  # a type only: httpx is upstream/'s
     import httpx
@@ -51,7 +53,8 @@ __all__ = ["create_app"]
 
 def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None = None,
                store: ResponseStore | str | None = "from-settings", observer: Observer | None = None,
-               mcp: McpHub | None = None, worker: WorkerContext | None = None) -> Starlette:
+               mcp: McpHub | None = None, worker: WorkerContext | None = None,
+               web_search: SearchProvider | str | None = "from-settings") -> Starlette:
     """Build the gateway. ``transport`` replaces the network to the upstream (tests, the demo);
     ``store`` overrides ``settings.store`` with an already built store (or None); ``worker``: this process is one
     of ``--workers N`` (limits and metrics shared with the others, gateway.server.workers)."""
@@ -75,6 +78,11 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
     services = ServicesRef()
     wrap = Admission(settings, auth=auth, drain=drain, limiter=limiter, observer=observer, metrics=metrics).wrap
     hub = mcp if mcp is not None else LazyMcpHub(settings)  # a bad servers file fails here, at start-up
+    # Web search (gateway.websearch): --web-search-provider, or a provider the caller built (tests, the demo).
+    # A provider missing its URL or key fails here, at start-up.
+    searcher: SearchProvider | None = build_provider(settings) if web_search == "from-settings" \
+        else web_search  # type: ignore[assignment]
+    search_rate = WebSearchRateLimiter.from_settings(settings) if searcher is not None else None
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -100,7 +108,9 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
         services.current = Services(upstream=upstream, store=st, background=runs,
                                     responses=ResponsesHandler(settings=keyed, upstream=upstream, store=st,
                                                                drain=drain, mcp=hub, background=runs,
-                                                               meter=ContextMeter(upstream)))
+                                                               meter=ContextMeter(upstream),
+                                                               web_search=searcher,
+                                                               web_search_rate=search_rate))
         app.state.services = services.current
         try:
             yield
@@ -115,6 +125,8 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
             closer = getattr(hub, "aclose", None)
             if closer is not None:
                 await closer()
+            if searcher is not None:
+                await searcher.aclose()
             if st is not None:
                 await st.close()
 

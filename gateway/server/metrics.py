@@ -94,6 +94,9 @@ METRICS: tuple[MetricSpec, ...] = (
                "MCP tool calls the gateway ran: completed, failed (tool error, HTTP, timeout), not_run."),
     MetricSpec(PREFIX + "mcp_call_duration_seconds", "histogram", ("server_label",),
                "Duration of the MCP tool calls the gateway ran."),
+    MetricSpec(PREFIX + "web_search_calls", "counter", ("provider", "outcome"),
+               "Web searches the gateway ran or refused: completed, error, timeout, no_query, limit, rate_limited, "
+               "not_run."),
 )
 
 
@@ -126,6 +129,8 @@ _ENFORCEMENT_OUTCOMES = frozenset({"pinned", "picked", "regenerated", "violated"
                                    "constrained", "step_failed", "fallback_validate"})
 _GRAMMAR_ROUTES = frozenset({"structural_tag", "strict_pattern", "takeover", "validate"})
 _GRAMMAR_FORMS = frozenset({"ebnf", "regex"})
+_SEARCH_PROVIDERS = frozenset({"searxng", "brave", "tavily", "demo"})
+_SEARCH_OUTCOMES = frozenset({"completed", "error", "timeout", "no_query", "limit", "rate_limited", "not_run"})
 _REJECTIONS = frozenset({"unauthorized", "concurrency", "body_too_large", "body_timeout", "draining", "host",
                          "origin", "websocket_connections", "background_per_key"})
 
@@ -201,6 +206,7 @@ class GatewayMetrics:
         self.websocket_connections: Gauge = built["websocket_connections"]  # type: ignore[assignment]
         self.websocket_messages: Counter = built["websocket_messages"]  # type: ignore[assignment]
         self.mcp_duration: Histogram = built["mcp_call_duration_seconds"]  # type: ignore[assignment]
+        self.web_search_calls: Counter = built["web_search_calls"]  # type: ignore[assignment]
 
     def reject(self, reason: str) -> None:
         """One request refused before its handler ran (``rejected_requests_total{reason}``)."""
@@ -260,3 +266,5 @@ class GatewayMetrics:
             self.mcp_calls.labels(label, outcome).inc()
             if seconds is not None:
                 self.mcp_duration.labels(label).observe(seconds)
+        for provider, outcome in record.web_search_calls:
+            self.web_search_calls.labels(bounded(provider, _SEARCH_PROVIDERS), bounded(outcome, _SEARCH_OUTCOMES)).inc()

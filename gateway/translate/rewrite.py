@@ -20,6 +20,7 @@ from gateway.translate.builtin_tools import (
 )
 from gateway.translate.mcp_items import denied_history, mcp_call_history, mcp_name
 from gateway.translate.tool_context import ResolvedToolContext, ToolInfo
+from gateway.translate.web_search import search_function_name, search_history
 
 __all__ = ["INPUT_PARAM_SCHEMA", "build_upstream_request", "upstream_input_items", "upstream_tools"]
 
@@ -69,8 +70,8 @@ def _upstream_tool(info: ToolInfo) -> dict[str, Any]:
         }
     if info.kind in BUILTIN_TOOL_TYPES:  # apply_patch / shell / local_shell: strict by the custom tools' rule
         return {k: v for k, v in info.definition.items() if k != "type"} | {"type": "function", "strict": True}
-    if info.kind == "mcp":  # a listed MCP tool, already in function form (mcp_items.tool_function)
-        return {k: v for k, v in info.definition.items() if k != "server_label"}
+    if info.kind in ("mcp", "web_search"):  # already in function form (mcp_items.tool_function, web_search)
+        return {k: v for k, v in info.definition.items() if k not in ("server_label", "web_search_tool")}
     tool = dict(info.definition)
     tool["name"] = info.upstream_name
     tool.pop("defer_loading", None)
@@ -147,6 +148,11 @@ def upstream_input_items(items: Sequence[Any], ctx: ResolvedToolContext, param: 
             continue  # the listing becomes the tools; a request is answered by an mcp_approval_response
         if itype == "mcp_call":
             out += mcp_call_history(item, _mcp_upstream_name(ctx, item))
+            continue
+        if itype == "web_search_call":  # the call and what it found (gateway.translate.web_search)
+            search = ctx.web_search
+            out += search_history(item, search.upstream_name if search is not None
+                                  else search_function_name(ctx.by_upstream_name))
             continue
         if itype == "mcp_approval_response":
             # Approved: the call the gateway then runs follows in the history. Denied: the model is told.

@@ -22,13 +22,32 @@ from typing import Any, Literal
 from gateway.errors import InvalidRequest
 from gateway.translate.builtin_tools import BUILTIN_TOOL_TYPES, builtin_function
 
-ToolKind = Literal["function", "custom", "mcp", "other", "apply_patch", "shell", "local_shell"]
+ToolKind = Literal["function", "custom", "mcp", "web_search", "other", "apply_patch", "shell", "local_shell"]
 
 UPSTREAM_NAME_LIMIT = 64
 _VALID_NAME = re.compile(r"^[a-zA-Z0-9_-]+$")
 CALLABLE_TYPES = ("function", "custom")
+# OpenAI's web search tool types (and tool_choice types): run by the gateway when a provider is configured.
+WEB_SEARCH_TYPES = frozenset({"web_search", "web_search_2025_08_26", "web_search_preview",
+                              "web_search_preview_2025_03_11"})
 
-__all__ = ["ResolvedToolContext", "ToolInfo", "flat_name", "public_tool", "resolve_tool_context", "with_mcp_tools"]
+
+def is_web_search(value: Any) -> bool:
+    """Whether a tool's (or a tool_choice's) ``type`` is a web search type; any JSON value may come in."""
+    return isinstance(value, str) and value in WEB_SEARCH_TYPES
+
+
+__all__ = [
+    "WEB_SEARCH_TYPES",
+    "ResolvedToolContext",
+    "ToolInfo",
+    "flat_name",
+    "is_web_search",
+    "public_tool",
+    "resolve_tool_context",
+    "with_mcp_tools",
+    "with_web_search",
+]
 _LABEL = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 
 
@@ -68,6 +87,11 @@ class ResolvedToolContext:
     def server_label_of(self) -> Mapping[str, str]:
         return {i.upstream_name: str(i.definition.get("server_label")) for i in self.by_upstream_name.values()
                 if i.kind == "mcp"}
+
+    @property
+    def web_search(self) -> ToolInfo | None:
+        """The gateway-run search function (``with_web_search``), if this request has one."""
+        return next((i for i in self.by_upstream_name.values() if i.kind == "web_search"), None)
 
     def mcp_server(self, label: str) -> Mapping[str, Any] | None:
         return next((t for t in self.mcp_tools if t.get("server_label") == label), None)
@@ -111,7 +135,8 @@ class ResolvedToolContext:
             if ctype in BUILTIN_TOOL_TYPES:  # {"type": "apply_patch"}: pinned like a named function
                 info = _builtin(self.by_upstream_name, ctype)
                 return (info,) if info else ()
-            if ctype == "mcp":  # pinned like a named function (or required among that server's tools)
+            # mcp and web_search: pinned like a named function (or required among that server's tools)
+            if ctype == "mcp" or is_web_search(ctype):
                 return self._allowed() if self.allowed_upstream_names is not None else ()
             if ctype == "allowed_tools" and choice.get("mode") == "required":
                 return self._allowed()
@@ -370,6 +395,28 @@ def with_mcp_tools(ctx: ResolvedToolContext, listed: Mapping[str, Sequence[Mappi
                    upstream_tool_choice=upstream_choice)
 
 
+def with_web_search(ctx: ResolvedToolContext) -> ResolvedToolContext:
+    """The context when the gateway runs web search (a provider is configured): the request's first
+    ``web_search``/``web_search_preview`` tool becomes an upstream function of kind ``web_search`` under a name no
+    client tool uses (gateway.translate.web_search), no longer passed upstream as a hosted tool; a
+    ``tool_choice`` of that type pins it like a named function. Without such a tool: ``ctx`` unchanged."""
+    from gateway.translate.web_search import search_function, search_function_name  # imports nothing from here
+
+    tools = [t for t in ctx.other_tools if is_web_search(t.get("type"))]
+    if not tools:
+        return ctx
+    by_upstream = dict(ctx.by_upstream_name)
+    name = search_function_name(by_upstream)
+    by_upstream[name] = ToolInfo("web_search", name, name, None,
+                                 {**search_function(name), "web_search_tool": tools[0]})
+    labels = frozenset(str(m["server_label"]) for m in ctx.mcp_tools)
+    allowed, upstream_choice = _resolve_choice(_as_declared(ctx.tool_choice, by_upstream), ctx.tool_choice_given,
+                                               True, by_upstream, labels, listed=False)
+    return replace(ctx, by_upstream_name=MappingProxyType(by_upstream),
+                   other_tools=tuple(t for t in ctx.other_tools if not is_web_search(t.get("type"))),
+                   allowed_upstream_names=allowed, upstream_tool_choice=upstream_choice)
+
+
 # OpenAI's own tool types that clients send as tool_choice for a same-named tool they declared themselves: the
 # Vercel AI SDK forces a custom tool named apply_patch with {"type": "apply_patch"}.
 _BUILTIN_CHOICES = ("apply_patch", "shell")
@@ -452,6 +499,11 @@ def _resolve_choice(
         if len(found) == 1:
             return frozenset({found[0].upstream_name}), {"type": "function", "name": found[0].upstream_name}
         return frozenset(i.upstream_name for i in found), "required"
+    if is_web_search(ctype):
+        search = next((i for i in by_upstream.values() if i.kind == "web_search"), None)
+        if search is None:  # no provider: passed upstream untouched, as before
+            return None, choice
+        return frozenset({search.upstream_name}), {"type": "function", "name": search.upstream_name}
     if ctype == "allowed_tools":
         mode = choice.get("mode")
         if mode not in ("auto", "required"):
@@ -483,6 +535,8 @@ def _resolve_choice(
             elif etype == "mcp":
                 names.update(i.upstream_name for i in _mcp_choice(entry, f"tool_choice.tools[{j}]", by_upstream,
                                                                   labels, listed))
+            elif is_web_search(etype):
+                names.update(i.upstream_name for i in by_upstream.values() if i.kind == "web_search")
             # Other hosted tools (image_generation, ...) never reach the upstream as functions.
         return frozenset(names), mode
     # Hosted or newer choices: passed through untouched.

@@ -24,6 +24,9 @@ sees (``_Item.kind``):
                  upstream's done until the I/O shell runs the call and hands the result to ``complete_owned``;
 * ``announced``  an item the gateway is still making (a compaction), opened by ``announce``; another translator
                  finishes it, or ``fail`` closes it as announced;
+* ``web_search`` a gateway-owned call of the search function (gateway.translate.web_search): announced as a
+                 ``web_search_call`` once its query is complete (``in_progress``, ``searching``), then left open
+                 until the shell has searched and hands the item to ``complete_search``;
 * ``approval``   the same call when its server requires approval: an ``mcp_approval_request`` item, announced
                  (``added`` then ``done``) once its arguments are complete, because its id (``mint_approval``,
                  gateway.translate.approvals) is a MAC over them.
@@ -68,6 +71,7 @@ from gateway.translate.mcp_items import approval_request_item, approval_required
 from gateway.translate.restore import RequestState, client_call_item, restore_response
 from gateway.translate.tool_context import ToolInfo
 from gateway.translate.usage import add_usage
+from gateway.translate.web_search import citations, search_item, search_query_of
 
 __all__ = ["FunctionSseTranslator", "TranslatorStats"]
 
@@ -108,6 +112,7 @@ class _Item:
     final: dict[str, Any] | None = None
     opened: dict[str, Any] | None = None  # a gateway-owned item as announced (mcp_call / approval request)
     round: int = 0
+    annotations: dict[int, list[dict[str, Any]]] = field(default_factory=dict)  # url citations per content part
 
     @property
     def open(self) -> bool:
@@ -141,6 +146,9 @@ class FunctionSseTranslator:
             self._seq = state.lead_announced
             self._created = self._in_progress = True
         self._round_terminal: dict[str, Any] | None = None
+        # Results of this response's searches, (url, title), numbered from [1]: the markers the model was asked to
+        # use, turned into url_citation annotations in later message text.
+        self.sources: list[tuple[str, str]] = []
         self._handlers: dict[str, Callable[[str, dict[str, Any], str], list[ClientEvent]]] = {
             "response.output_item.added": self._on_added,
             "response.output_item.done": self._on_item_done,
@@ -401,6 +409,10 @@ class FunctionSseTranslator:
             return self._open_owned(st)
         if st.info is not None and st.info.kind in BUILTIN_TOOL_TYPES:
             return self._open_builtin(st, base)
+        if st.info is not None and st.info.kind == "web_search":
+            st.kind = "web_search"  # announced when its query is complete (_close_search)
+            st.round = self.round
+            return []
         if st.info is not None and st.info.kind == "custom":
             st.kind = "custom"
             st.decoder = InputDecoder()
@@ -573,11 +585,79 @@ class FunctionSseTranslator:
         return self._owned_args_done(st)  # stays open: the shell runs it (complete_owned)
 
     def owned_calls(self) -> list[dict[str, Any]]:
-        """Gateway-owned calls of this round whose arguments are complete and that have not run yet."""
-        return [{"key": st.item_id, "server_label": st.opened["server_label"], "name": st.opened["name"],
+        """Gateway-owned calls of this round whose arguments are complete and that have not run yet (``kind``:
+        ``mcp`` or ``web_search``)."""
+        return [{"kind": "mcp", "key": st.item_id, "server_label": st.opened["server_label"],
+                 "name": st.opened["name"], "arguments": st.up.arguments, "upstream_name": st.up.name}
+                if st.kind == "mcp" else
+                {"kind": "web_search", "key": st.item_id, "query": st.opened["action"]["query"] or None,
                  "arguments": st.up.arguments, "upstream_name": st.up.name}
                 for st in self._order
-                if st.kind == "mcp" and st.final is None and st.args_done_sent and st.opened is not None]
+                if st.final is None and st.opened is not None and (
+                    (st.kind == "mcp" and st.args_done_sent) or st.kind == "web_search")]
+
+    # ------------------------------------------------------------------ gateway-owned web search
+
+    def _close_search(self, st: _Item, status: str) -> list[ClientEvent]:
+        """The search call's arguments are complete: announce the ``web_search_call`` (kept open for the shell),
+        or, cut off before it could run, show it incomplete."""
+        if st.opened is not None:  # announced, never completed (the response ends under it)
+            if st.final is not None:
+                return []
+            st.final = {**st.opened, "status": "incomplete"}
+            return [self._emit("response.output_item.done", {"output_index": st.client_index, "item": st.final})]
+        suffix = str(st.up.item.get("id") or "").partition("_")[2] or None
+        if suffix and any(o.item_id and o.item_id.endswith("_" + suffix) for o in self._order):
+            suffix = None
+        item = search_item(f"ws_{suffix}" if suffix else self.ids("ws"), search_query_of(st.up.arguments),
+                           "in_progress")
+        st.item_id = item["id"]
+        st.opened = item
+        self._assign(st)
+        base = {"item_id": st.item_id, "output_index": st.client_index}
+        out = [self._emit("response.output_item.added", {"output_index": st.client_index, "item": dict(item)}),
+               self._emit("response.web_search_call.in_progress", dict(base))]
+        if status != "completed":
+            st.final = {**item, "status": "incomplete"}
+            out.append(self._emit("response.output_item.done", {"output_index": st.client_index, "item": st.final}))
+            return out
+        out.append(self._emit("response.web_search_call.searching", dict(base)))
+        return out
+
+    def complete_search(self, key: str, final: dict[str, Any], sources: list[tuple[str, str]] | None = None
+                        ) -> list[ClientEvent]:
+        """A search ran (or was refused): ``response.web_search_call.completed`` when it completed, then the done
+        item ``final`` (the shell's: status, sources per the include, the sealed results). ``sources`` (url,
+        title): its results, numbered after the earlier ones for the citations."""
+        st = next((s for s in self._order if s.item_id == key and s.kind == "web_search" and s.final is None), None)
+        if st is None:
+            return []
+        self.sources += sources or []
+        st.final = final
+        out = []
+        if final.get("status") == "completed":
+            out.append(self._emit("response.web_search_call.completed",
+                                  {"item_id": st.item_id, "output_index": st.client_index}))
+        out.append(self._emit("response.output_item.done", {"output_index": st.client_index, "item": final}))
+        return out
+
+    def _annotate(self, st: _Item, content_index: int, text: str) -> list[ClientEvent]:
+        """``response.output_text.annotation.added`` for each citation marker in a finished text part."""
+        found = citations(text, self.sources) if self.sources else []
+        if not found:
+            return []
+        st.annotations[content_index] = found
+        return [self._emit("response.output_text.annotation.added", {
+            "item_id": st.item_id, "output_index": st.client_index, "content_index": content_index,
+            "annotation_index": i, "annotation": ann}) for i, ann in enumerate(found)]
+
+    def _with_annotations(self, st: _Item, item: dict[str, Any]) -> dict[str, Any]:
+        if not st.annotations or item.get("type") != "message" or not isinstance(item.get("content"), list):
+            return item
+        content = [{**part, "annotations": [*(part.get("annotations") or ()), *st.annotations[ci]]}
+                   if ci in st.annotations and isinstance(part, dict) else part
+                   for ci, part in enumerate(item["content"])]
+        return {**item, "content": content}
 
     @property
     def approval_requested(self) -> bool:
@@ -711,6 +791,18 @@ class FunctionSseTranslator:
                 if etype == "response.function_call_arguments.delta" else []
         if kind == "mcp" or kind == "approval":
             return self._owned_sub_event(st, etype, d)
+        if kind == "web_search":
+            return []  # its arguments are the query, shown in the item once complete
+        if self.sources and kind == "pass":
+            if etype == "response.output_text.done" and isinstance(ci := d.get("content_index"), int):
+                return self._annotate(st, ci, str(d.get("text", ""))) + self._forward(etype, d, data, st.client_index)
+            if etype == "response.content_part.done" and d.get("content_index") in st.annotations \
+                    and isinstance(d.get("part"), dict):
+                ci = d["content_index"]
+                part = d["part"]
+                d["part"] = {**part, "annotations": [*(part.get("annotations") or ()), *st.annotations[ci]]}
+                d["output_index"] = st.client_index
+                return [self._emit(etype, d)]
         if kind == "function" and etype == "response.function_call_arguments.done":
             st.args_done_sent = True
             if st.info is not None or not d.get("name"):
@@ -793,7 +885,7 @@ class FunctionSseTranslator:
             out += self._open_call(st)
             if st.kind == "suppressed":
                 return out
-            if st.kind in ("patch", "builtin"):
+            if st.kind in ("patch", "builtin", "web_search"):
                 return out + self._close_item(st, "completed")
             if st.kind in ("mcp", "approval"):
                 if st.kind == "mcp" and up.arguments:
@@ -831,8 +923,11 @@ class FunctionSseTranslator:
                 if text:
                     out.append(self._emit("response.output_text.delta",
                                           {**base, "content_index": ci, "delta": text, "logprobs": []}))
+                out += self._annotate(st, ci, text)
                 out.append(self._emit("response.output_text.done",
                                       {**base, "content_index": ci, "text": text, "logprobs": []}))
+                if ci in st.annotations:
+                    part = {**part, "annotations": [*(part.get("annotations") or ()), *st.annotations[ci]]}
                 out.append(self._emit("response.content_part.done", {**base, "content_index": ci, "part": part}))
         elif itype == "reasoning":
             for ci, part in enumerate(item.get("content") or ()):
@@ -858,6 +953,8 @@ class FunctionSseTranslator:
 
     def _close_item(self, st: _Item, status: str) -> list[ClientEvent]:
         """``output_item.done`` with the authoritative item (the upstream's done item, or what we built)."""
+        if st.kind == "web_search":
+            return self._close_search(st, status)
         if st.kind == "approval" and st.opened is None and st.final is None and status == "completed":
             return self._close_owned(st, status)  # a deferred approval request, complete now
         if st.kind == "patch" and st.final is None:
@@ -889,7 +986,7 @@ class FunctionSseTranslator:
             if not up.done:
                 final = _with_partial_text(final, up)
                 final["status"] = status
-            final = self.state.with_sealed(final)
+            final = self._with_annotations(st, self.state.with_sealed(final))
         st.final = final
         out.append(self._emit("response.output_item.done", {"output_index": st.client_index, "item": final}))
         return out

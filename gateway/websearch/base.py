@@ -27,6 +27,9 @@ class SearchQuery:
     context_size: str = "medium"
     # Codex's external_web_access: false -> no live network access (cached/local only, or SearchError)
     live: bool = True
+    # the caller's owner (gateway.server.auth.request_owner; None without gateway keys): live=False answers only
+    # from this owner's earlier results, so one tenant cannot probe what another searched
+    owner: str | None = None
 
 
 @dataclass(frozen=True)
