@@ -61,7 +61,7 @@ def test_subprocess_logs_are_json_lines_without_prompts_tool_inputs_or_keys() ->
     assert first["route"] == "/v1/responses" and first["model"] == "tiny" and first["status"] == 200
     assert first["stream"] is True and first["ttfb_ms"] > 0 and first["duration_ms"] >= first["ttfb_ms"]
     assert first["input_tokens"] is not None and first["output_tokens"] is not None
-    assert first["tool_calls"] == {"custom": 0, "function": 0}
+    assert first["tool_calls"] == {"custom": 0, "function": 0, "builtin": 0}
     assert access["rid-3"]["status"] == 401 and access["rid-3"]["error_code"] == "invalid_api_key"
     sizes = [line for line in lines if line["event"] == "payload_sizes"]
     assert sizes and all(set(line) <= {"event", "level", "timestamp", "pid", "request_id", "request_bytes",

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
+import structlog
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from structlog.testing import capture_logs
@@ -577,14 +578,25 @@ def test_the_startup_log_line_names_the_provider_not_the_key(monkeypatch: pytest
     from gateway import cli
 
     monkeypatch.setattr(cli, "_serve", lambda settings, **kw: 0)
-    for settings_, enabled in ((Settings(store="none"), False),
-                               (Settings(store="none", web_search_provider="brave", brave_api_key=BRAVE_KEY), True)):
-        assert cli.run(settings_) == 0  # configures the JSON log handler on stderr, then logs the line
-        err = capfd.readouterr().err
-        lines = [json.loads(x) for x in err.splitlines() if x.startswith("{")]
-        line = next(e for e in lines if e["event"] == "web_search")
-        assert line["enabled"] is enabled and (not enabled or line["provider"] == "brave")
-        assert BRAVE_KEY not in err
+    root = logging.getLogger()
+    level, handlers = root.level, list(root.handlers)
+    try:
+        for settings_, enabled in ((Settings(store="none"), False),
+                                   (Settings(store="none", web_search_provider="brave", brave_api_key=BRAVE_KEY),
+                                    True)):
+            assert cli.run(settings_) == 0  # configures the JSON log handler on stderr, then logs the line
+            err = capfd.readouterr().err
+            lines = [json.loads(x) for x in err.splitlines() if x.startswith("{")]
+            line = next(e for e in lines if e["event"] == "web_search")
+            assert line["enabled"] is enabled and (not enabled or line["provider"] == "brave")
+            assert BRAVE_KEY not in err
+    finally:
+        # cli.run pointed structlog and the root logger at this test's captured stderr, which closes with it: a
+        # later test's server would log into a closed file and fail to start.
+        for handler in [h for h in root.handlers if h not in handlers]:
+            root.removeHandler(handler)
+        root.setLevel(level)
+        structlog.reset_defaults()
 
 
 def test_rate_limiter_from_settings_splits_the_budget_between_workers() -> None:
