@@ -230,6 +230,26 @@ def test_auto_cuts_a_stored_chain_and_the_newest_input_stays(tmp_path: Path) -> 
     _check_whole(sent)
 
 
+def test_a_window_below_the_smallest_guarded_one_is_learned_and_guards_auto_and_later_requests() -> None:
+    """A small window (here 400 tokens) below SMALLEST_WINDOW: truncation "auto" asks for it even for a request
+    whose bound is below 8192, and once known it guards "disabled" requests of that size too."""
+    up = Upstream(window=400)
+    items = [*_chain(1), {"type": "message", "role": "user", "content": "Now fix the bug."}]
+    body = {"model": "tiny", "instructions": "You are a coding agent.", "input": items, "truncation": "auto",
+            "max_output_tokens": 150, "store": False}
+    assert request_token_bound(body, []) < 8192
+    with gateway(up) as url:
+        r = post(url, body)
+        assert r.status_code == 200, r.text
+        [sent_body] = up.generations()
+        assert len(sent_body["input"]) < len(items) and sent_body["input"][-1]["content"] == "Now fix the bug."
+        assert scripted_count(tokenize_request(sent_body)) + 150 <= 400
+        _check_whole(sent_body["input"])
+        r = post(url, {**body, "truncation": "disabled"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert up.paths().count("/v1/models") == 1 and len(up.generations()) == 1
+
+
 def test_auto_with_nothing_left_to_drop_is_still_a_400() -> None:
     up = Upstream(window=4096)
     with gateway(up) as url:

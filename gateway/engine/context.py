@@ -34,7 +34,8 @@ log = structlog.get_logger("gateway.context")
 # The smallest window the gateway guards. A request whose byte bound (with its max_output_tokens) stays below it
 # fits any model served for agents (Llama 3's 8k, Qwen's and Mistral's 32k and more), and the gateway asks nothing,
 # not even the window: ordinary requests make no upstream call of their own. A model with a smaller window (the
-# 2048-token test model) is guarded only for requests past this bound; below it vLLM's own 400 stands.
+# 2048-token test model) is guarded by its own window once that is known (asked for the first request past this
+# bound, or the first with truncation "auto"); before that vLLM's own 400 stands.
 SMALLEST_WINDOW = 8192
 # Bounds on what the meter keeps: windows per model name, counts per rendered prompt (a digest and an int each).
 MAX_MODELS = 64
@@ -130,12 +131,19 @@ class ContextMeter:
         max_out = body.get("max_output_tokens")
         # vLLM refuses a prompt of max_model_len tokens or more; with max_output_tokens it must leave that much.
         reserve = max_out if isinstance(max_out, int) and not isinstance(max_out, bool) and max_out > 0 else 1
-        if request_token_bound(body, history) < SMALLEST_WINDOW - reserve + 1:
+        model = str(body["model"]) if isinstance(body.get("model"), str) else ""
+        # Below SMALLEST_WINDOW nothing is asked while the model's window is unknown; once known (asked for a large
+        # request, or for truncation "auto", which must not leave a small window to vLLM), the real window counts.
+        known = self._windows.get(model)
+        floor = min(SMALLEST_WINDOW, known) if known is not None else SMALLEST_WINDOW
+        if truncation == "auto" and model not in self._windows:
+            known = await self.window(model, headers)
+            floor = min(SMALLEST_WINDOW, known) if known is not None else SMALLEST_WINDOW
+        if request_token_bound(body, history) < floor - reserve + 1:
             return Fitted(body, history)  # an ordinary request: not even the upstream body is built for it
         upstream_body = build(body, history)
-        if not self.could_reach(upstream_body, SMALLEST_WINDOW - reserve + 1):
+        if not self.could_reach(upstream_body, floor - reserve + 1):
             return Fitted(body, history)
-        model = str(body["model"]) if isinstance(body.get("model"), str) else ""
         window = await self.window(model, headers)
         if window is None:
             return Fitted(body, history)
