@@ -56,7 +56,7 @@ def run(settings: Settings, *, demo: bool = False) -> int:
     log = structlog.get_logger("gateway.cli")
     for event, message in startup_warnings(settings):
         log.warning(event, message=message)
-    from gateway.websearch.providers import startup_fields
+    from gateway.websearch.limits import startup_fields
 
     log.info("web_search", **startup_fields(settings))  # on or off, the provider and its host; never a key
     if settings.workers > 1 and not demo:

@@ -50,7 +50,7 @@ from gateway.translate.web_search import open_sealed_searches
 from gateway.upstream.chat import chat_completion_events, chat_event_batches, responses_event_batches
 from gateway.upstream.client import UpstreamClient, UpstreamResponse
 from gateway.websearch.base import SearchProvider
-from gateway.websearch.providers import WebSearchRateLimiter
+from gateway.websearch.limits import WebSearchRateLimiter
 
 log = structlog.get_logger("gateway.responses")
 

@@ -38,7 +38,7 @@ from gateway.server.websocket import ResponsesSocket
 from gateway.store import ResponseStore, open_store, run_sweeper
 from gateway.upstream.client import UpstreamClient
 from gateway.websearch.base import SearchProvider
-from gateway.websearch.providers import WebSearchRateLimiter, build_provider
+from gateway.websearch.limits import WebSearchRateLimiter
 
 if TYPE_CHECKING:  # a type only: httpx is upstream/'s
     import httpx
@@ -80,7 +80,7 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
     hub = mcp if mcp is not None else LazyMcpHub(settings)  # a bad servers file fails here, at start-up
     # Web search (gateway.websearch): --web-search-provider, or a provider the caller built (tests, the demo).
     # A provider missing its URL or key fails here, at start-up.
-    searcher: SearchProvider | None = build_provider(settings) if web_search == "from-settings" \
+    searcher: SearchProvider | None = _provider(settings) if web_search == "from-settings" \
         else web_search  # type: ignore[assignment]
     search_rate = WebSearchRateLimiter.from_settings(settings) if searcher is not None else None
 
@@ -160,3 +160,13 @@ def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
     app.state.readiness = readiness
     app.state.limiter = limiter
     return app
+
+
+def _provider(settings: Settings) -> SearchProvider | None:
+    """The configured web search provider; its module (an HTTP stack, the MCP address rules) is imported only when
+    one is configured, so a gateway without web search does not carry it in memory."""
+    if settings.web_search_provider is None:
+        return None
+    from gateway.websearch.providers import build_provider
+
+    return build_provider(settings)
