@@ -9,7 +9,7 @@ the server and by tests that re-chunk recorded streams), so we drive the decoder
 from __future__ import annotations
 
 import codecs
-from collections.abc import Iterable
+from collections.abc import Sequence
 
 from httpx_sse._decoders import SSEDecoder, SSELineDecoder
 
@@ -18,9 +18,30 @@ from gateway.protocol.events import ClientEvent
 __all__ = ["SseParser", "encode_events"]
 
 
-def encode_events(events: Iterable[ClientEvent]) -> bytes:
+# Each event type's frame head (``event: TYPE\ndata: ``), encoded once: the types are OpenAI's closed set plus what
+# an upstream passes through, so the cache stops growing at _HEADS_MAX and later types are encoded per frame.
+_HEADS: dict[str, bytes] = {}
+_HEADS_MAX = 256
+
+
+def _head(etype: str) -> bytes:
+    head = _HEADS.get(etype)
+    if head is None:
+        head = b"event: " + etype.encode() + b"\ndata: "
+        if len(_HEADS) < _HEADS_MAX:
+            _HEADS[etype] = head
+    return head
+
+
+def encode_events(events: Sequence[ClientEvent]) -> bytes:
     """Client events as SSE frames: the gateway's one SSE encoder (``event:`` line, one ``data:`` line)."""
-    return b"".join([b"event: " + ev.type.encode() + b"\ndata: " + ev.data + b"\n\n" for ev in events])
+    if len(events) == 1:  # the common batch: one upstream frame in, one client frame out
+        ev = events[0]
+        return _head(ev.type) + ev.data + b"\n\n"
+    parts: list[bytes] = []
+    for ev in events:
+        parts += (_head(ev.type), ev.data, b"\n\n")
+    return b"".join(parts)
 
 
 class SseParser:
