@@ -57,3 +57,16 @@ def test_utf8_split_inside_a_character() -> None:
     for i in range(len(raw)):
         out += parser.feed(raw[i:i + 1])
     assert out == [("message", '{"t":"caf\u00e9 \U0001F600"}')]
+
+
+def test_the_encoders_frame_heads_are_cached_within_a_bound_and_every_type_still_encodes() -> None:
+    """An upstream passing through ever new event types cannot grow the encoder's cache without bound."""
+    from gateway.protocol import sse
+    from gateway.protocol.events import ClientEvent
+
+    events = [ClientEvent(f"x.type_{i}", i, None, {}, b'{"n":%d}' % i) for i in range(sse._HEADS_MAX * 3)]
+    one_by_one = b"".join(sse.encode_events([ev]) for ev in events)
+    assert one_by_one == sse.encode_events(events)
+    assert len(sse._HEADS) <= sse._HEADS_MAX
+    parsed = SseParser().feed(one_by_one)
+    assert parsed == [(f"x.type_{i}", '{"n":%d}' % i) for i in range(sse._HEADS_MAX * 3)]
