@@ -102,3 +102,23 @@ def test_items_stored_in_the_old_shape_are_listed_in_the_new_one() -> None:
     validate_conversation_item(image)
     with pytest.raises(AssertionError):  # the judge can fail: an item without its required fields
         validate_response_item({"type": "function_call", "id": "fc_1"})
+
+
+def test_the_suite_wide_check_catches_a_completed_event_the_sdk_rejects(
+        sdk_validates_every_completed_event: list[tuple[Exception, bytes]]) -> None:
+    """tests/conftest.py validates every response.completed the gateway builds; here one without usage details."""
+    from gateway.protocol.events import ClientEvent
+
+    response = {"id": "resp_1", "object": "response", "created_at": 1, "model": "tiny", "output": [],
+                "parallel_tool_calls": True, "tool_choice": "auto", "tools": [], "status": "completed",
+                "error": None, "incomplete_details": None, "instructions": None, "metadata": {},
+                "temperature": None, "top_p": None,
+                "usage": {"input_tokens": 1, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 1,
+                          "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 2}}
+    ClientEvent.of({"type": "response.completed", "sequence_number": 2, "response": response})
+    assert len(sdk_validates_every_completed_event) == 1
+    assert "cache_write_tokens" in str(sdk_validates_every_completed_event[0][0])
+    sdk_validates_every_completed_event.clear()
+    response["usage"]["input_tokens_details"]["cache_write_tokens"] = 0  # type: ignore[index]
+    ClientEvent.of({"type": "response.completed", "sequence_number": 2, "response": response})
+    assert sdk_validates_every_completed_event == []
