@@ -26,7 +26,7 @@ import sys
 import tempfile
 import time
 import tomllib
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -272,13 +272,13 @@ def merge_config(text: str, top: Mapping[str, Any], provider: str, block: Mappin
     if providers is None:
         providers = tomlkit.table(is_super_table=True)
         doc["model_providers"] = providers
-    elif not isinstance(providers, Mapping):
+    elif not isinstance(providers, MutableMapping):
         raise CodexConfigError("config.toml's model_providers is not a table; fix it, then run again.")
     table = providers.get(provider)
     if table is None:
         table = tomlkit.table()
         providers[provider] = table
-    elif not isinstance(table, Mapping):
+    elif not isinstance(table, MutableMapping):
         raise CodexConfigError(f"config.toml's model_providers.{provider} is not a table; fix it, then run again.")
     for key, value in block.items():
         table[key] = value
