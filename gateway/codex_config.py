@@ -46,6 +46,7 @@ SHELL_TYPES = ("shell_command", "default", "local", "unified_exec", "disabled")
 TRUNCATION_TOKENS = 10_000
 FALLBACK_CONTEXT_WINDOW = 32_768  # a /v1/models entry without max_model_len (another server behind the gateway)
 MAX_MODELS = 1000  # entries read from /v1/models: a bound on what a misbehaving server makes us write
+MAX_BODY_BYTES = 8 * 1024 * 1024  # and on what it makes us read
 TIMEOUT_S = 10.0
 
 # vLLM's /v1/models says nothing about reasoning; these families think before they answer (they take
@@ -119,8 +120,13 @@ def fetch_models(gateway_url: str, api_key: str | None, *, transport: httpx.Base
     url = _v1(gateway_url) + "/models"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        with httpx.Client(timeout=TIMEOUT_S, transport=transport) as client:
-            resp = client.get(url, headers=headers)
+        with httpx.Client(timeout=TIMEOUT_S, transport=transport) as client, \
+                client.stream("GET", url, headers=headers) as resp:
+            body = b""
+            for chunk in resp.iter_bytes():
+                body += chunk
+                if len(body) > MAX_BODY_BYTES:
+                    raise CodexConfigError(f"GET {url} answered more than {MAX_BODY_BYTES} bytes: not a model list.")
     except httpx.InvalidURL as exc:
         raise CodexConfigError(f"--gateway-url {gateway_url!r} is not a URL ({exc}).") from None
     except httpx.HTTPError as exc:
@@ -133,9 +139,9 @@ def fetch_models(gateway_url: str, api_key: str | None, *, transport: httpx.Base
                                f"from the environment variable named by --api-key-env; {hint}.")
     if resp.status_code != 200:
         raise CodexConfigError(f"The gateway answered GET {url} with HTTP {resp.status_code}: "
-                               f"{resp.text[:300]!r}")
+                               f"{body[:300].decode(errors='replace')!r}")
     try:
-        data = resp.json().get("data")
+        data = json.loads(body).get("data")
     except (ValueError, AttributeError):
         data = None
     if not isinstance(data, list):

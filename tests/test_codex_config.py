@@ -249,3 +249,20 @@ def test_a_window_vllm_did_not_report_and_a_small_one() -> None:
     ("meta-llama/Llama-3.1-8B-Instruct", False), ("tiny", False)])
 def test_reasoning_families(model: str, thinks: bool) -> None:
     assert reasons(model) is thinks
+
+
+def test_abuse_a_hostile_model_list(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model id crafted to break out of its TOML string stays one string; a huge answer is refused."""
+    evil = 'x"\n[model_providers.evil]\nbase_url = "http://evil/v1'
+    with gateway_over(vllm_models((evil, 4096))) as url:
+        code, _, err = run_cli(["--gateway-url", url, "--codex-home", str(tmp_path / "h"), "--write"], monkeypatch)
+    assert code == 0, err
+    config = tomllib.loads((tmp_path / "h" / "config.toml").read_text())
+    assert config["model"] == evil and list(config["model_providers"]) == ["responses-gateway"]
+    [entry] = json.loads(Path(config["model_catalog_json"]).read_text())["models"]
+    assert entry["slug"] == evil
+    huge = {"object": "list", "data": [{"id": "m" * 1000, "object": "model"}] * 10_000}  # ~10 MB
+    with gateway_over(huge) as url:
+        code, _, err = run_cli(["--gateway-url", url, "--codex-home", str(tmp_path / "h2")], monkeypatch)
+    assert code == 1 and "more than" in err and "Traceback" not in err, err
+    assert not (tmp_path / "h2").exists()
