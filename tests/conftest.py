@@ -3,7 +3,9 @@
 Every ``response.completed`` event the gateway makes in any test — SSE, WebSocket frames, background-run rows,
 replays — is validated strictly by the newest openai SDK's ``ResponseCompletedEvent`` model (not only its stream
 accumulator): ``ClientEvent`` is the one type all of them are built as (gateway/protocol/events.py), so its
-constructor is wrapped for the test. A rejected event fails the test that produced it, at its teardown, with the
+constructor is wrapped for the test. So is every completed Response object the gateway answers as a JSON body
+(non-streamed ``POST /v1/responses``, ``GET /v1/responses/{id}``: gateway.server.http.OrjsonResponse), checked as
+the completed event that would carry it. A rejected one fails the test that produced it, at its teardown, with the
 SDK's error; the gateway itself is not changed (the check must not alter what the client gets)."""
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ import pydantic
 import pytest
 
 from gateway.protocol.events import ClientEvent
+from gateway.server.http import OrjsonResponse
 from tests.sdk_shapes import validate_completed
 
 _init = ClientEvent.__init__
+_render = OrjsonResponse.render
 Rejected = tuple[Exception, bytes]  # the SDK's error, the event as sent
 
 
@@ -37,7 +41,15 @@ def sdk_validates_every_completed_event(monkeypatch: pytest.MonkeyPatch) -> Iter
             except (pydantic.ValidationError, orjson.JSONDecodeError) as exc:
                 rejected.append((exc, data))
 
+    def checked_render(self: OrjsonResponse, content: Any) -> bytes:
+        data = _render(self, content)
+        if isinstance(content, dict) and content.get("object") == "response" and content.get("status") == "completed":
+            checked_init(ClientEvent.__new__(ClientEvent), "response.completed", 0, None, {}, orjson.dumps(
+                {"type": "response.completed", "sequence_number": 0, "response": content}))
+        return data
+
     monkeypatch.setattr(ClientEvent, "__init__", checked_init)
+    monkeypatch.setattr(OrjsonResponse, "render", checked_render)
     yield rejected
     if rejected:
         pytest.fail(f"the openai SDK rejects {len(rejected)} response.completed event(s) this test produced; "

@@ -119,6 +119,12 @@ def test_the_suite_wide_check_catches_a_completed_event_the_sdk_rejects(
     assert len(sdk_validates_every_completed_event) == 1
     assert "cache_write_tokens" in str(sdk_validates_every_completed_event[0][0])
     sdk_validates_every_completed_event.clear()
+    from gateway.server.http import OrjsonResponse
+
+    OrjsonResponse(response)  # a non-streamed body: checked too
+    assert len(sdk_validates_every_completed_event) == 1
+    sdk_validates_every_completed_event.clear()
     response["usage"]["input_tokens_details"]["cache_write_tokens"] = 0  # type: ignore[index]
     ClientEvent.of({"type": "response.completed", "sequence_number": 2, "response": response})
+    OrjsonResponse(response)
     assert sdk_validates_every_completed_event == []
