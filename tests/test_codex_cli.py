@@ -36,6 +36,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from structlog.testing import capture_logs
 
+from gateway.codex_config import ServedModel, catalog_entry
 from gateway.config import Settings
 from gateway.translate.grammar_convert import to_json_pattern
 from tests.support import npm_packages, running_gateway, serve_in_thread
@@ -133,6 +134,16 @@ class CodexUpstream:
 
 
 # --- Codex's configuration: only what codex-config wrote -----------------------------------------------------------
+
+
+def tiny_model_entry() -> dict[str, Any]:
+    """The catalog entry codex-config writes for the scripted ``tiny`` (for tests that hand-write a Codex home)."""
+    return catalog_entry(ServedModel("tiny", CONTEXT_WINDOW))
+
+
+def write_codex_home(home: Path, gateway_url: str) -> None:
+    """A Codex home for the gateway, as a user gets it (for tests that need one and judge something else)."""
+    codex_config_home(home, gateway_url, websockets=True)
 
 
 def codex_config_home(home: Path, gateway_url: str, *, websockets: bool) -> str:

@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway import cli
+from gateway import cli, codex_config
 from gateway.codex_config import ServedModel, catalog_entry, merge_config, reasons
 from gateway.config import Settings
 from tests.support import free_port, running_gateway, serve_in_thread
@@ -54,14 +54,13 @@ def gateway_over(body: Any, **settings: Any) -> Iterator[str]:
 
 def run_cli(argv: list[str], monkeypatch: pytest.MonkeyPatch, env: dict[str, str] | None = None
             ) -> tuple[int, str, str]:
+    """``responses-gateway codex-config ARGV`` through the CLI's parser, with only ``env`` in its environment;
+    (exit status, stdout, stderr). Its own streams: the gateways these tests run log to the process's stdout."""
     for name in ("CODEX_HOME", "RESPONSES_GATEWAY_API_KEY", "GW_KEY"):
         monkeypatch.delenv(name, raising=False)
-    for name, value in (env or {}).items():
-        monkeypatch.setenv(name, value)
+    args = cli._parser().parse_args(["codex-config", *argv])
     out, err = io.StringIO(), io.StringIO()
-    monkeypatch.setattr("sys.stdout", out)
-    monkeypatch.setattr("sys.stderr", err)
-    code = cli.main(["codex-config", *argv])
+    code = codex_config.run(args, environ=dict(env or {}), out=out, err=err)
     return code, out.getvalue(), err.getvalue()
 
 
