@@ -11,7 +11,7 @@ import pydantic
 from openai.types.conversations import ConversationItem
 from openai.types.responses import ResponseCompletedEvent, ResponseItem
 
-__all__ = ["validate_completed", "validate_conversation_item", "validate_response_item"]
+__all__ = ["forgive_echoed", "validate_completed", "validate_conversation_item", "validate_response_item"]
 
 
 @cache
@@ -52,3 +52,13 @@ def validate_conversation_item(item: dict[str, Any]) -> pydantic.BaseModel:
 def validate_completed(event: dict[str, Any]) -> ResponseCompletedEvent:
     """A ``response.completed`` event, as ``ResponseCompletedEvent`` (strict)."""
     return ResponseCompletedEvent.model_validate(event, strict=True)
+
+
+def forgive_echoed(rejected: list[tuple[Exception, bytes]], fields: frozenset[str] | set[str]) -> None:
+    """Drop from the suite-wide check's findings (tests/conftest.py) the events the SDK rejects only in these
+    Response ``fields`` — request fields the gateway echoes as the client sent them. For a test that sends, on
+    purpose, a value the SDK's closed models do not know; the rest of each event is still held to the SDK."""
+    rejected[:] = [(exc, data) for exc, data in rejected
+                   if not (isinstance(exc, pydantic.ValidationError)
+                           and all(len(e["loc"]) > 1 and e["loc"][0] == "response" and e["loc"][1] in fields
+                                   for e in exc.errors()))]
