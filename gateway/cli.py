@@ -1,4 +1,5 @@
-"""``responses-gateway serve|demo``. Every flag is also a ``GATEWAY_*`` environment variable."""
+"""``responses-gateway serve|demo|codex-config``. Every serve/demo flag is also a ``GATEWAY_*`` environment variable;
+``codex-config`` (gateway/codex_config.py) is a client-side set-up command with its own flags."""
 
 from __future__ import annotations
 
@@ -26,6 +27,11 @@ def _parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="Serve the gateway in front of recorded vLLM answers (no GPU needed).")
     add_arguments(demo, only=("host", "port", "log_level", "api_keys", "api_keys_file", "max_body_bytes",
                               "max_concurrency", "drain_timeout"))
+    codex = sub.add_parser("codex-config", help="Set Codex CLI up for this gateway: a model catalog for its served "
+                           "models and the config.toml lines (--write merges them).")
+    from gateway.codex_config import add_arguments as codex_arguments
+
+    codex_arguments(codex)
     return parser
 
 
@@ -111,6 +117,10 @@ def _run_workers(settings: Settings) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "codex-config":
+        from gateway.codex_config import run as codex_config
+
+        return codex_config(args)
     if args.command == "demo":
         folder = tempfile.mkdtemp(prefix="responses-gateway-demo-")
         overrides: dict[str, Any] = {}

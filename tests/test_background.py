@@ -428,7 +428,9 @@ async def test_a_final_row_without_its_terminal_event_ends_the_follower(tmp_path
     await st.start()
     try:
         now = time.time()
-        response = {"id": "resp_half", "object": "response", "status": "in_progress", "background": True}
+        response = {"id": "resp_half", "object": "response", "status": "in_progress", "background": True,
+                    "created_at": int(now), "model": "m", "output": [], "parallel_tool_calls": True,
+                    "tool_choice": "auto", "tools": []}  # what the SDK's Response requires
         rec = StoredResponse(id="resp_half", created_at=int(now), previous_response_id=None, status="in_progress",
                              response=response, input_items=[], tool_context=None, updated_at=int(now))
         await st.create_background(rec, "gone", now + 15)
@@ -451,7 +453,8 @@ class _FastProducer:
     async def respond(self, body: dict[str, Any], headers: Any, owner: str | None, record: Any,
                       run: Any) -> Streamed:
         resp = {"id": run.response_id, "object": "response", "status": "in_progress", "background": True,
-                "output": []}
+                "output": [], "created_at": 1, "model": "m", "parallel_tool_calls": True, "tool_choice": "auto",
+                "tools": []}  # what the SDK's Response requires
 
         async def frames() -> AsyncIterator[list[ClientEvent]]:
             yield [ClientEvent.of({"type": "response.created", "sequence_number": 0, "response": resp})]

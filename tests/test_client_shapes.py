@@ -25,7 +25,9 @@ VLLM_USAGE = {"input_tokens": 120, "input_tokens_details": {"cached_tokens": 3, 
               "output_tokens": 40, "output_tokens_details": {"reasoning_tokens": 0, "tool_output_tokens": 0,
                                                              "output_tokens_per_turn": []},
               "total_tokens": 160}
-OPENAI_USAGE = {"input_tokens": 120, "input_tokens_details": {"cached_tokens": 3}, "output_tokens": 40,
+# the newest openai SDK requires cache_write_tokens: 0 when vLLM does not report it
+OPENAI_USAGE = {"input_tokens": 120, "input_tokens_details": {"cached_tokens": 3, "cache_write_tokens": 0},
+                "output_tokens": 40,
                 "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 160}
 
 

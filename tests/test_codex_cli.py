@@ -1,10 +1,12 @@
-"""Codex CLI as a judge: ``codex exec`` over the gateway's WebSocket mode applies a patch and answers.
+"""Codex CLI as a judge: ``codex exec``, set up by ``responses-gateway codex-config --write`` alone, applies a patch
+and answers — over the gateway's WebSocket mode and over HTTP.
 
 Codex (pinned in ``tests/codex/package.json`` / ``package-lock.json``, installed with ``npm ci`` on first use;
-the npm package ships its native binary in an optional per-platform package) is configured through a temporary
-``CODEX_HOME``: a provider block for the gateway with ``supports_websockets = true``, and a model catalog entry
-for ``tiny`` whose ``apply_patch_tool_type`` is ``freeform``, so Codex sends ``apply_patch`` as a ``custom`` tool
-with its Lark grammar, as it does for OpenAI's models.
+the npm package ships its native binary in an optional per-platform package) gets a fresh ``CODEX_HOME`` holding
+only what ``codex-config --write`` wrote: the provider block for the gateway (``supports_websockets`` true, or
+false with ``--no-websockets``) and the model catalog built from the gateway's ``/v1/models``, whose entry for
+``tiny`` says ``apply_patch_tool_type: "freeform"`` — so Codex sends ``apply_patch`` as a ``custom`` tool with its
+Lark grammar, as it does for OpenAI's models. Its approvals and sandbox are switched off on the command line.
 
 The gateway runs with its defaults (``tool_choice_enforcement = constrain``, ``tool_call_parser = auto``) in front
 of an upstream that says it is vLLM 0.32 (``GET /version``): Codex's ``apply_patch`` grammar is regular, so the
@@ -22,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +36,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from structlog.testing import capture_logs
 
+from gateway.codex_config import ServedModel, catalog_entry
 from gateway.config import Settings
 from gateway.translate.grammar_convert import to_json_pattern
 from tests.support import npm_packages, running_gateway, serve_in_thread
@@ -42,6 +46,9 @@ CODEX = Path(__file__).resolve().parent / "codex"
 CODEX_BIN = CODEX / "node_modules" / ".bin" / "codex"
 CODEX_TIMEOUT = 45
 PATCH = "*** Begin Patch\n*** Add File: hello.txt\n+hi\n*** End Patch\n"
+GATEWAY_KEY = "sk-gateway-test"
+# the scripted vLLM's max_model_len: the catalog's context window (the scripted usage stays far below it)
+CONTEXT_WINDOW = 32768
 
 
 # --- node, npm and the pinned Codex -------------------------------------------------------------------------------
@@ -112,8 +119,10 @@ class CodexUpstream:
             self.requests.append(("/v1/chat/completions", json.loads(await request.body())))
             return StreamingResponse(iter(chat_chunks(args_deltas(PATCH, 8))), media_type="text/event-stream")
 
-        async def models(request: Request) -> Response:
-            return JSONResponse({"object": "list", "data": [{"id": "tiny", "object": "model"}]})
+        async def models(request: Request) -> Response:  # vLLM 0.32's ModelCard fields (HAND-WRITTEN)
+            return JSONResponse({"object": "list", "data": [
+                {"id": "tiny", "object": "model", "created": 1795973040, "owned_by": "vllm", "root": "tiny",
+                 "parent": None, "max_model_len": CONTEXT_WINDOW, "permission": []}]})
 
         async def version(request: Request) -> Response:
             return JSONResponse({"version": "0.32.0"})
@@ -124,75 +133,43 @@ class CodexUpstream:
                                  Route("/version", version, methods=["GET"])])
 
 
-# --- Codex's configuration --------------------------------------------------------------------------------------------
+# --- Codex's configuration: only what codex-config wrote -----------------------------------------------------------
 
 
 def tiny_model_entry() -> dict[str, Any]:
-    """A model catalog entry (the shape of Codex's bundled models.json) for ``tiny``: freeform apply_patch."""
-    levels = [{"effort": e, "description": e} for e in ("low", "medium", "high")]
-    return {
-        "slug": "tiny", "display_name": "tiny", "description": "A local test model behind the gateway.",
-        "base_instructions": "You are a coding agent. Edit files with the apply_patch tool.",
-        "model_messages": None, "prefer_websockets": True, "apply_patch_tool_type": "freeform",
-        "web_search_tool_type": "text", "supports_search_tool": False, "shell_type": "shell_command",
-        "input_modalities": ["text"], "supports_image_detail_original": False,
-        "truncation_policy": {"mode": "tokens", "limit": 10000}, "supports_parallel_tool_calls": False,
-        "tool_mode": None, "multi_agent_version": None, "multi_agent_reasoning_effort": None,
-        "use_responses_lite": False, "supports_reasoning_effort_updates": False,
-        "include_skills_usage_instructions": False, "include_apps_usage_instructions": False,
-        "include_plugin_usage_instructions": False, "guardian": None, "node_repl_auto_review_required": False,
-        "node_repl_disabled": False, "requires_sandboxed_review": False, "auto_review_model_override": None,
-        "model_specialty": None, "context_window": 32768, "max_context_window": 32768,
-        "auto_compact_token_limit": None, "comp_hash": "0", "default_reasoning_summary": "none",
-        "default_reasoning_level": "low", "supported_reasoning_levels": levels, "visibility": "list",
-        "minimal_client_version": "0.1.0", "supported_in_api": True, "availability_nux": None, "upgrade": None,
-        "priority": 1, "experimental_supported_tools": [], "available_in_plans": [],
-        "supports_experimental_context": False, "default_service_tier": None, "service_tiers": [],
-        "additional_speed_tiers": [], "support_verbosity": False, "default_verbosity": None,
-        "supports_reasoning_summary_parameter": False, "supports_reasoning_summaries": False,
-    }
+    """The catalog entry codex-config writes for the scripted ``tiny`` (for tests that hand-write a Codex home)."""
+    return catalog_entry(ServedModel("tiny", CONTEXT_WINDOW))
 
 
 def write_codex_home(home: Path, gateway_url: str) -> None:
-    home.mkdir()
-    catalog = home / "models.json"
-    catalog.write_text(json.dumps({"models": [tiny_model_entry()]}))
-    (home / "config.toml").write_text(f"""\
-model = "tiny"
-model_provider = "gw"
-model_catalog_json = {json.dumps(str(catalog))}
-approval_policy = "never"
-sandbox_mode = "danger-full-access"
-check_for_update_on_startup = false
-
-[model_providers.gw]
-name = "responses-gateway"
-base_url = "{gateway_url}/v1"
-wire_api = "responses"
-env_key = "GW_KEY"
-supports_websockets = true
-request_max_retries = 0
-stream_max_retries = 0
-
-[features]
-plugins = false
-apps = false
-
-[analytics]
-enabled = false
-""")
+    """A Codex home for the gateway, as a user gets it (for tests that need one and judge something else)."""
+    codex_config_home(home, gateway_url, websockets=True)
 
 
-def test_codex_exec_applies_a_patch_over_the_websocket(codex: str, tmp_path: Path) -> None:
+def codex_config_home(home: Path, gateway_url: str, *, websockets: bool) -> str:
+    """A fresh Codex home set up by ``responses-gateway codex-config --write`` (a subprocess, as a user runs it)
+    and nothing else; its stderr."""
+    command = [sys.executable, "-m", "gateway", "codex-config", "--gateway-url", gateway_url, "--codex-home",
+               str(home), "--api-key-env", "GW_KEY", "--write", *([] if websockets else ["--no-websockets"])]
+    proc = subprocess.run(command, env={**os.environ, "GW_KEY": GATEWAY_KEY}, capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in home.iterdir()) == ["config.toml", "responses-gateway-models.json"]
+    return proc.stderr
+
+
+@pytest.mark.parametrize("transport", ["websocket", "http"])
+def test_codex_exec_applies_a_patch_set_up_by_codex_config(codex: str, tmp_path: Path, transport: str) -> None:
     upstream = CodexUpstream()
     work = tmp_path / "work"
     work.mkdir()
     home = tmp_path / "codex-home"
+    websockets = transport == "websocket"
     with serve_in_thread(upstream.app()) as (up_url, _), capture_logs() as logs, \
-            running_gateway(Settings(upstream_url=up_url, store="none")) as url:  # default enforcement
-        write_codex_home(home, url)
-        env = {**os.environ, "CODEX_HOME": str(home), "GW_KEY": "sk-gateway-test", "NO_COLOR": "1",
-               "RUST_LOG": "warn"}
+            running_gateway(Settings(upstream_url=up_url, store="none",  # default enforcement
+                                     api_keys=(GATEWAY_KEY,))) as url:
+        codex_config_home(home, url, websockets=websockets)
+        env = {**os.environ, "CODEX_HOME": str(home), "GW_KEY": GATEWAY_KEY, "NO_COLOR": "1", "RUST_LOG": "warn"}
         # --strict-config: a key this Codex does not know fails the run (config drift on an upgrade shows)
         command = [str(CODEX_BIN), "exec", "--strict-config", "--skip-git-repo-check",
                    "--dangerously-bypass-approvals-and-sandbox", "--json", "-C", str(work),
@@ -214,17 +191,22 @@ def test_codex_exec_applies_a_patch_over_the_websocket(codex: str, tmp_path: Pat
     messages = [e["item"]["text"] for e in events if e["type"] == "item.completed"
                 and e["item"].get("type") == "agent_message"]
     assert messages == ["Created hello.txt."], detail
-    # Codex spoke WebSocket mode: every response went over the socket, none over POST
     ws_messages = [line for line in metrics.splitlines()
                    if line.startswith('responses_gateway_websocket_messages_total{type="response.create"}')]
-    assert ws_messages and float(ws_messages[0].split()[-1]) >= 2, metrics
     access = [e for e in logs if e.get("event") == "request" and e.get("route") == "/v1/responses"]
-    assert len(access) >= 2 and {e["method"] for e in access} == {"WEBSOCKET"}, access
     assert all(e["status"] == 200 for e in access), access
+    if websockets:  # Codex spoke WebSocket mode: every response went over the socket, none over POST
+        assert ws_messages and float(ws_messages[0].split()[-1]) >= 2, metrics
+        assert len(access) >= 2 and {e["method"] for e in access} == {"WEBSOCKET"}, access
+    else:  # supports_websockets = false: every turn a POST
+        assert not ws_messages or float(ws_messages[0].split()[-1]) == 0, metrics
+        assert len(access) >= 2 and {e["method"] for e in access} == {"POST"}, access
     # what Codex sent: apply_patch as a custom grammar tool, which the upstream saw as a function taking {"input"}
     paths = [p for p, _ in upstream.requests]
     assert paths == ["/v1/responses", "/v1/responses"], paths  # one request per turn: no takeover step
     first, second = (body for _, body in upstream.requests)
+    # the catalog's entry is what Codex ran the model by: its base instructions (in the upstream prompt)
+    assert "Edit files only with the `apply_patch` tool" in json.dumps(first), first
     [tool] = [t for t in first["tools"] if t.get("name") == "apply_patch"]
     assert tool["type"] == "function" and tool["parameters"]["required"] == ["input"], tool
     assert "Lark grammar" in tool["description"], tool

@@ -24,12 +24,14 @@ from hypothesis import strategies as st
 from gateway.config import Settings
 from gateway.server import create_app
 from gateway.store import SqliteResponseStore
+from tests.sdk_shapes import forgive_echoed
 from tests.support import sse_events
 
 # ---------------------------------------------------------------------------------------------- the upstream
 
 _USAGE_CHAT = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
-_USAGE_RESP = {"input_tokens": 3, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 2,
+_USAGE_RESP = {"input_tokens": 3, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+               "output_tokens": 2,
                "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 5}
 
 
@@ -189,6 +191,24 @@ class InProcessGateway:
 MAX_EXAMPLES = 600  # per configuration: the whole file runs in about 10 s on 2 cores
 
 CONFIGS = [("responses", "off"), ("responses", "constrain"), ("chat", "off"), ("chat", "constrain")]
+
+
+# The Response fields that echo the request (gateway/translate/restore.py build_request_state).
+ECHOED = frozenset({"tools", "tool_choice", "parallel_tool_calls", "metadata", "previous_response_id", "store",
+                    "instructions", "max_output_tokens", "text", "truncation", "model", "conversation", "user",
+                    "safety_identifier", "prompt_cache_key", "service_tier", "max_tool_calls", "reasoning",
+                    "background", "temperature", "top_p"})
+
+
+@pytest.fixture(autouse=True)
+def echoed_request_fields_pass(sdk_validates_every_completed_event: list[tuple[Exception, bytes]]
+                               ) -> Iterator[None]:
+    """Fuzzed bodies carry values OpenAI would refuse but the gateway accepts leniently and echoes as sent (a
+    ``namespace`` tool without a ``description``, a ``{"type": "namespace"}`` tool_choice, a float
+    ``max_tool_calls``…); the SDK's closed models reject the echo. Errors in the echoed request fields, and only
+    there, are not held against the fuzz tests; the rest of every completed event is (tests/conftest.py)."""
+    yield
+    forgive_echoed(sdk_validates_every_completed_event, ECHOED)
 
 
 @pytest.fixture(scope="module", params=CONFIGS, ids=[f"{a}-{m}" for a, m in CONFIGS])

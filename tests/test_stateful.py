@@ -89,9 +89,11 @@ def test_endpoints_get_delete_input_items_cancel(tmp_path: Path) -> None:
         assert raw["first_id"] == raw["data"][0]["id"] and raw["last_id"] == raw["data"][1]["id"]
         nxt = httpx.get(f"{url}/v1/responses/{r.id}/input_items",
                         params={"limit": 10, "order": "asc", "after": raw["last_id"]}).json()
-        assert [d["content"] for d in nxt["data"]] == ["m2", "m3", "m4"] and nxt["has_more"] is False
+        # listed in the SDK's item shape: the string content the client sent as an input_text part
+        assert [d["content"] for d in nxt["data"]] == [[{"type": "input_text", "text": f"m{i}"}] for i in (2, 3, 4)]
+        assert nxt["has_more"] is False
         desc = httpx.get(f"{url}/v1/responses/{r.id}/input_items").json()
-        assert [d["content"] for d in desc["data"]] == ["m4", "m3", "m2", "m1", "m0"]
+        assert [d["content"][0]["text"] for d in desc["data"]] == ["m4", "m3", "m2", "m1", "m0"]
         assert httpx.get(f"{url}/v1/responses/{r.id}", params={"stream": "true"}).status_code == 400
         cancel = httpx.post(f"{url}/v1/responses/{r.id}/cancel")
         assert cancel.status_code == 400 and cancel.json()["error"]["param"] == "response_id"

@@ -113,7 +113,8 @@ def record(
                     "content": [{"type": "output_text", "text": text, "annotations": []}],
                 }
             ],
-            "usage": {"input_tokens": 3, "output_tokens": 1, "total_tokens": 4},
+            "usage": {"input_tokens": 3, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+                      "output_tokens": 1, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 4},
             "metadata": {},
         },
         input_items=[{"type": "message", "id": f"msg_in_{rid}", "role": "user", "content": "hi"}],
@@ -164,7 +165,7 @@ def realistic_record() -> StoredResponse:
             ],
             "usage": {
                 "input_tokens": 1234,
-                "input_tokens_details": {"cached_tokens": 0},
+                "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
                 "output_tokens": 56,
                 "output_tokens_details": {"reasoning_tokens": 12},
                 "total_tokens": 1290,
@@ -201,6 +202,21 @@ async def test_round_trip(store: ResponseStore) -> None:
     assert orjson.dumps(got.response, option=orjson.OPT_SORT_KEYS) == orjson.dumps(
         rec.response, option=orjson.OPT_SORT_KEYS
     )
+
+
+async def test_a_response_stored_before_cache_write_tokens_reads_back_with_it(store: ResponseStore) -> None:
+    """Usage as the newest openai SDK requires it, for rows written before the gateway sent it: made on read."""
+    rec = realistic_record()
+    old_usage = {**rec.response["usage"], "input_tokens_details": {"cached_tokens": 7}}
+    await store.put(dataclasses.replace(rec, previous_response_id=None,
+                                        response={**rec.response, "usage": old_usage}))
+    got = await store.get(rec.id)
+    assert got is not None and got.response["usage"]["input_tokens_details"] == {"cached_tokens": 7,
+                                                                               "cache_write_tokens": 0}
+    assert {k: v for k, v in got.response.items() if k != "usage"} == {
+        k: v for k, v in rec.response.items() if k != "usage"}
+    [chained] = await store.get_chain(rec.id)
+    assert chained.response["usage"] == got.response["usage"]
 
 
 async def test_items_by_id_for_item_reference(store: ResponseStore) -> None:

@@ -59,6 +59,7 @@ from gateway.store import ResponseStore, StoredResponse
 from gateway.store.base import RUNNING_STATUSES
 from gateway.translate.restore import build_request_state, restore_response
 from gateway.translate.tool_context import resolve_tool_context
+from gateway.translate.usage import public_event
 
 log = structlog.get_logger("gateway.background")
 
@@ -94,7 +95,7 @@ Produce = Callable[[dict[str, Any], Mapping[str, str], str | None, RequestRecord
 
 def _row_event(row: dict[str, Any]) -> ClientEvent:
     """A stored row as the client event it was (rows are the events' objects: the background-run encoding)."""
-    return ClientEvent.of(row)
+    return ClientEvent.of(public_event(row))  # events stored before cache_write_tokens: today's usage shape
 
 
 class _Subscriber:

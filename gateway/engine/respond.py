@@ -54,8 +54,8 @@ from gateway.websearch.limits import WebSearchRateLimiter
 
 log = structlog.get_logger("gateway.responses")
 
-ZERO_USAGE = {"input_tokens": 0, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 0,
-              "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 0}
+ZERO_USAGE = {"input_tokens": 0, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+              "output_tokens": 0, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 0}
 
 __all__ = ["ResponsesHandler", "StoreWriteFailed"]
 

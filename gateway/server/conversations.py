@@ -22,6 +22,7 @@ from starlette.routing import Route
 from gateway.engine.record import RequestRecord
 from gateway.errors import InvalidRequest, NotFound
 from gateway.protocol.conversations import check_metadata, conversation_item, request_items
+from gateway.protocol.items import listed_item
 from gateway.runtime import new_id
 from gateway.server.auth import request_owner
 from gateway.server.http import OrjsonResponse, list_query, read_body
@@ -54,6 +55,7 @@ async def _json_body(request: Request, limit: int) -> dict[str, Any]:
 
 
 def _list(items: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
+    items = [listed_item(i) for i in items]  # in the SDK's item shapes, whenever they were stored
     return {
         "object": "list",
         "data": items,
@@ -187,7 +189,7 @@ class ConversationsApi:
             if await store.get_conversation(cid, owner=owner) is None:
                 raise _conversation_not_found(cid)
             raise NotFound(f"Item with id '{iid}' not found.", param="item_id")
-        return OrjsonResponse(item)
+        return OrjsonResponse(listed_item(item))
 
     async def delete_item(self, request: Request, record: RequestRecord) -> Response:
         cid, iid = request.path_params["conversation_id"], request.path_params["item_id"]

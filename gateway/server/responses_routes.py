@@ -14,6 +14,7 @@ from starlette.routing import Route
 
 from gateway.engine.record import RequestRecord
 from gateway.errors import InvalidRequest, NotFound
+from gateway.protocol.items import listed_item
 from gateway.protocol.request import parse_request_body
 from gateway.server.admission import Handler
 from gateway.server.auth import request_owner
@@ -98,7 +99,8 @@ def response_routes(services: Callable[[], Services], wrap: Wrap) -> list[Route]
         rec = await services().require_store().get(rid, owner=request_owner(request.scope))
         if rec is None:
             raise NotFound(f"Response with id '{rid}' not found.", param="response_id")
-        return OrjsonResponse(paginate(rec.input_items, request.query_params))
+        # in the SDK's item shapes (a string content, an output without status, …), whenever they were stored
+        return OrjsonResponse(paginate([listed_item(i) for i in rec.input_items], request.query_params))
 
     return [
         Route("/v1/responses", wrap("/v1/responses", create_response), methods=["POST"]),

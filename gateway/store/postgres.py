@@ -29,6 +29,7 @@ from gateway.store.base import (
     check_item_budget,
     record_items,
 )
+from gateway.translate.usage import public_response
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
 # a connection as the pool hands it out (a proxy) or as connect() makes it
@@ -188,7 +189,7 @@ def _row_to_record(row: asyncpg.Record) -> StoredResponse:
         created_at=row["created_at"],
         previous_response_id=row["previous_response_id"],
         status=row["status"],
-        response=row["response"],
+        response=public_response(row["response"]),  # older rows: usage in today's shape
         input_items=row["input_items"],
         tool_context=row["tool_context"],
         updated_at=row["updated_at"],

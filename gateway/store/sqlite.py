@@ -35,6 +35,7 @@ from gateway.store.base import (
     check_item_budget,
     record_items,
 )
+from gateway.translate.usage import public_response
 
 T = TypeVar("T")
 
@@ -195,7 +196,7 @@ def _row_to_record(row: tuple[Any, ...]) -> StoredResponse:
         created_at=row[1],
         previous_response_id=row[2],
         status=row[3],
-        response=orjson.loads(row[4]),
+        response=public_response(orjson.loads(row[4])),  # older rows: usage in today's shape
         input_items=orjson.loads(row[5]),
         tool_context=None if row[6] is None else orjson.loads(row[6]),
         updated_at=row[7],

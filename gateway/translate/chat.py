@@ -250,7 +250,8 @@ def chat_usage(u: Any) -> dict[str, Any] | None:
     inp, out = int(u.get("prompt_tokens") or 0), int(u.get("completion_tokens") or 0)
     return {
         "input_tokens": inp,
-        "input_tokens_details": {"cached_tokens": int(cached.get("cached_tokens") or 0)},
+        "input_tokens_details": {"cached_tokens": int(cached.get("cached_tokens") or 0),
+                                 "cache_write_tokens": int(cached.get("cache_write_tokens") or 0)},
         "output_tokens": out,
         "output_tokens_details": {"reasoning_tokens": int(details.get("reasoning_tokens") or 0)},
         "total_tokens": int(u.get("total_tokens") or inp + out),
