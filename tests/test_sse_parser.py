@@ -69,4 +69,4 @@ def test_the_encoders_frame_heads_are_cached_within_a_bound_and_every_type_still
     assert one_by_one == sse.encode_events(events)
     assert len(sse._HEADS) <= sse._HEADS_MAX
     parsed = SseParser().feed(one_by_one)
-    assert parsed == [(f"x.type_{i}", '{"n":%d}' % i) for i in range(sse._HEADS_MAX * 3)]
+    assert parsed == [(f"x.type_{i}", f'{{"n":{i}}}') for i in range(sse._HEADS_MAX * 3)]
