@@ -10,12 +10,14 @@ SDK's error; the gateway itself is not changed (the check must not alter what th
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import Any
 
 import orjson
 import pydantic
 import pytest
+import structlog
 
 from gateway.protocol.events import ClientEvent
 from gateway.server.http import OrjsonResponse
@@ -54,3 +56,37 @@ def sdk_validates_every_completed_event(monkeypatch: pytest.MonkeyPatch) -> Iter
     if rejected:
         pytest.fail(f"the openai SDK rejects {len(rejected)} response.completed event(s) this test produced; "
                     f"the first:\n{rejected[0][0]}\n{rejected[0][1][:2000]!r}", pytrace=False)
+
+
+def _logging_state() -> tuple[Any, ...]:
+    from gateway.server import observe
+
+    root = logging.getLogger()
+    config = {**structlog.get_config()}
+    config["processors"] = list(config["processors"])
+    return root.level, list(root.handlers), structlog.is_configured(), config, observe._configured_by_us
+
+
+_BASELINE = _logging_state()  # before any gateway of this process configured anything
+
+
+@pytest.fixture(autouse=True)
+def logging_as_it_was() -> Iterator[None]:
+    """Each test ends with logging as the process started with it. A gateway built in this process configures
+    structlog and the root logger (gateway.server.observe.ensure_logging), e.g. at ``log_level="error"`` for the
+    fuzz tests' module-wide gateway or on a captured stderr that closes with its test; left in place, a later
+    test's ``capture_logs`` would miss warnings and its server would write into a closed file — failures that
+    depend on the order the tests ran in."""
+    from gateway.server import observe
+
+    yield
+    level, handlers, configured, config, ours = _BASELINE
+    root = logging.getLogger()
+    for handler in [h for h in root.handlers if h not in handlers]:
+        root.removeHandler(handler)
+    root.setLevel(level)
+    if configured:
+        structlog.configure(**config)
+    else:
+        structlog.reset_defaults()
+    observe._configured_by_us = ours
