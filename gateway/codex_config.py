@@ -8,10 +8,12 @@ Codex sends its ``apply_patch`` as a Lark ``custom`` tool only when the model's 
 with ``--write`` merges into ``config.toml``, keeping the user's text and a backup — the lines that select it.
 
 Compaction: Codex compacts a conversation when its tokens pass the entry's ``auto_compact_token_limit`` (90 % of
-``context_window`` at most). It compacts *remotely* (``/responses/compact``) only for OpenAI's own provider and
-Azure's (``ModelProviderInfo::supports_remote_compaction``: the provider's name and base URL, nothing a config can
-set for another provider); for this provider it compacts inline, asking the model for a summary through
-``/v1/responses`` — which the gateway serves. A client-side tool: it imports nothing of the server.
+``context_window`` at most). It compacts *remotely* only for OpenAI's own provider and
+Azure's (``ModelProviderInfo::supports_remote_compaction``: the provider block's ``name`` "OpenAI", or Azure's name
+or base URL); otherwise it compacts inline, asking the model for a summary through ``/v1/responses`` — which the
+gateway serves. ``--remote-compaction`` writes ``name = "OpenAI"`` into the gateway's block, and Codex 0.171 then
+sends a ``compaction_trigger`` to the gateway (tests/test_codex_compaction.py) — opt-in, since Codex may treat a
+provider it takes for OpenAI's differently in other ways too. A client-side tool: it imports nothing of the server.
 """
 
 from __future__ import annotations
@@ -100,6 +102,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Write supports_websockets = false (Codex then POSTs each turn).")
     parser.add_argument("--shell-type", default="shell_command", choices=SHELL_TYPES,
                         help="The models' shell_type in the catalog (default shell_command).")
+    parser.add_argument("--remote-compaction", action="store_true",
+                        help='Name the provider "OpenAI" in its block, the one name Codex compacts remotely for: '
+                             "Codex then sends a compaction_trigger and the gateway's model writes a sealed summary "
+                             "(without it Codex summarizes with an ordinary turn of its own).")
     parser.add_argument("--codex-home", default=None,
                         help="Codex's home folder (default $CODEX_HOME, else ~/.codex).")
     parser.add_argument("--write", action="store_true",
@@ -242,10 +248,12 @@ def catalog(models: Sequence[ServedModel], *, shell_type: str = "shell_command",
 
 
 def config_values(*, model: str, provider: str, catalog_path: str, gateway_url: str, key_env: str,
-                  websockets: bool) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(top-level keys, the provider block) that select the gateway and the catalog."""
+                  websockets: bool, remote_compaction: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(top-level keys, the provider block) that select the gateway and the catalog. ``remote_compaction``: the
+    block's display ``name`` is "OpenAI", which is what codex-rs (``supports_remote_compaction``) checks; the
+    block's key, its base_url and its env_key stay the gateway's."""
     top = {"model": model, "model_provider": provider, "model_catalog_json": catalog_path}
-    block = {"name": provider, "base_url": _v1(gateway_url), "wire_api": "responses",
+    block = {"name": "OpenAI" if remote_compaction else provider, "base_url": _v1(gateway_url), "wire_api": "responses",
              "supports_websockets": websockets, "env_key": key_env}
     return top, block
 
@@ -351,7 +359,8 @@ def _run(args: argparse.Namespace, environ: Mapping[str, str], transport: httpx.
                                            indent=2) + "\n")
     print(f"Wrote the model catalog for {len(models)} model(s) to {catalog_path}", file=err)
     top, block = config_values(model=model, provider=args.provider_name, catalog_path=str(catalog_path),
-                               gateway_url=args.gateway_url, key_env=key_env, websockets=websockets)
+                               gateway_url=args.gateway_url, key_env=key_env, websockets=websockets,
+                               remote_compaction=args.remote_compaction)
     if not args.write:
         print(config_lines(top, args.provider_name, block), end="", file=out)
         print(f"Add these lines to {home / 'config.toml'} (or run again with --write).", file=err)

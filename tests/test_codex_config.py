@@ -121,6 +121,20 @@ def test_options_are_honoured(gateway: str, tmp_path: Path, monkeypatch: pytest.
     assert list(home.glob("*.bak")) == []  # nothing to back up: there was no config.toml
 
 
+def test_remote_compaction_names_the_block_openai_and_keeps_the_gateway(gateway: str, tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """--remote-compaction: the block's display name is the one codex-rs compacts remotely for (its key, address
+    and key variable stay the gateway's; tests/test_codex_compaction.py runs Codex with such a block)."""
+    home = tmp_path / "home"
+    code, _out, err = run_cli(["--gateway-url", gateway, "--codex-home", str(home), "--api-key-env", "GW_KEY",
+                               "--remote-compaction", "--write"], monkeypatch, {"GW_KEY": KEY})
+    assert code == 0, err
+    config = tomllib.loads((home / "config.toml").read_text())
+    assert config["model_provider"] == "responses-gateway"
+    block = config["model_providers"]["responses-gateway"]
+    assert block["name"] == "OpenAI" and block["base_url"] == gateway + "/v1" and block["env_key"] == "GW_KEY"
+
+
 def test_write_merges_keeping_the_users_settings_and_a_backup(gateway: str, tmp_path: Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     home = tmp_path / "home"
