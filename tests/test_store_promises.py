@@ -139,7 +139,8 @@ def test_each_owner_has_its_own_item_ids(store: ResponseStore) -> None:
             r = who.post("/v1/responses", json=ref)
             assert r.status_code == 200, r.text
             items = who.get(f"/v1/responses/{r.json()['id']}/input_items").json()["data"]
-            assert [i["content"] for i in items] == [words]
+            # listed in the SDK's shape: a string content comes back as one input_text part
+            assert [i["content"] for i in items] == [[{"type": "input_text", "text": words}]]
 
 
 def test_a_blob_sealed_for_one_owner_does_not_open_for_another() -> None:
