@@ -52,6 +52,7 @@ TARGETS = {
     "cpu_per_1k_vs_peer": 2.5,          # <=, gateway CPU seconds per 1000 responses against agentic-api's
     "grammar_cpu_vs_floor": 1.5,        # <=, issue 18: CPU per grammar-tool response against the floor's
     "grammar_added_ttfb_ms": 0.3,       # <=, issue 18: added TTFB p50 at one stream, over the floor's added TTFB
+    "fanout_fps_vs_peer": 0.9,          # >=, issue 18: frames/s to 64 clients, upstream back to back, vs agentic-api
 }
 
 # Codex's apply_patch grammar (codex-rs, tools/handlers/apply_patch.lark): what Codex sends as the format
@@ -890,6 +891,36 @@ class Bench:
 
     # -- frames per second, one long stream written as fast as the proxy reads it
 
+    async def fanout(self) -> None:
+        """Issue 18: frames/s delivered to ``concurrency`` clients at once while the upstream writes every stream's
+        frames back to back (one per TCP segment, no pacing delay): the proxy's aggregate throughput."""
+        a = self.args
+        c = a.concurrency
+        await self.set_mode(a.fanout_deltas, 0)
+        out: dict[str, Any] = {"streams": c, "deltas": a.fanout_deltas, "rounds": a.rounds}
+        for t in self.targets:
+            conns = await asyncio.gather(*(connect(t.port) for _ in range(c)))
+            await asyncio.gather(*(self.one(conn, t) for conn in conns))  # warm every connection
+            counts: list[int] = []
+            cpu0, _ = t.cpu()
+            t0 = time.perf_counter()
+
+            async def worker(conn: ClientConn, t: Target = t, counts: list[int] = counts) -> None:
+                for _ in range(a.rounds):
+                    res = await self.one(conn, t)
+                    counts.append(res.frames)
+
+            await asyncio.gather(*(worker(conn) for conn in conns))
+            wall = time.perf_counter() - t0
+            cpu1, _ = t.cpu()
+            for conn in conns:
+                self._close(conn)
+            frames = sum(counts)
+            r = out[t.name] = {"frames_per_s": round(frames / wall), "frames": frames, "wall_s": round(wall, 3)}
+            if t.pid is not None:
+                r["cpu_us_per_frame"] = round((cpu1 - cpu0) / frames * 1e6, 2)
+        self.results["fanout"] = out
+
     async def throughput(self) -> None:
         a = self.args
         await self.set_mode(a.deltas, 0)
@@ -1028,6 +1059,16 @@ def evaluate(r: dict[str, Any]) -> list[Row]:
                      f">= {T['frames_ratio_vs_direct']:g}x direct, >= {T['frames_per_s']:,.0f}", verdict(ok)))
         rows.append(("CPU us/frame, long stream", *cols("throughput", "cpu_us_per_frame", ".1f", False), "-", "-",
                      "info"))
+    if "fanout" in r:
+        f = r["fanout"]
+        g, p = get("fanout", "gateway", "frames_per_s"), get("fanout", "agentic", "frames_per_s")
+        ratio = g / p if g and p else None
+        rows.append((f"frames/s, {f['streams']} streams back to back ({f['deltas']} deltas)",
+                     *cols("fanout", "frames_per_s", ",.0f"), f"x{ratio:.3f} agentic" if ratio else "-",
+                     f">= {T['fanout_fps_vs_peer']:g}x agentic",
+                     verdict(None if ratio is None else ratio >= T["fanout_fps_vs_peer"])))
+        rows.append((f"CPU us/frame ({f['streams']} back to back)", *cols("fanout", "cpu_us_per_frame", ".1f", False),
+                     "-", "-", "info"))
     if "ttfb_single" in r:
         t = r["ttfb_single"]
         added = get("ttfb_single", "gateway", "added_ttfb_p50_ms")
@@ -1128,9 +1169,10 @@ def find_peer(path: str | None) -> str | None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="short run (fewer requests, shorter streams)")
-    p.add_argument("--phases", default="ttfb,grammar,concurrent,rss,throughput",
+    p.add_argument("--phases", default="ttfb,grammar,concurrent,fanout,rss,throughput",
                    help="comma-separated subset of: ttfb, grammar (issue 18: a Lark custom tool, 24 and 200 deltas, "
-                        "beside the floor), concurrent, rss, throughput (in this order by default: the "
+                        "beside the floor), concurrent, fanout (issue 18: 64 streams, the upstream writing back to "
+                        "back), rss, throughput (in this order by default: the "
                         "long throughput stream runs last so that its allocations do not inflate the RSS phase)")
     p.add_argument("--pacing", default="step", choices=("step", "whole"),
                    help="how the fake upstream writes an unpaced stream: step (default: one frame per TCP segment, "
@@ -1140,6 +1182,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ttfb-deltas", type=int, default=24, help="argument deltas per single-stream request")
     p.add_argument("--ttfb-delay-ms", type=float, default=1.0, help="upstream ms between frames after the head")
     p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--fanout-deltas", type=int, help="deltas per stream in the fanout phase (default 200; quick 100)")
     p.add_argument("--rounds", type=int, help="requests per concurrent worker (default 4; quick 2)")
     p.add_argument("--c-deltas", type=int, default=40)
     p.add_argument("--c-delay-ms", type=float, default=10.0, help="10 ms: 100 tokens/s per stream")
@@ -1176,6 +1219,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a.requests = a.requests or (50 if q else 200)
     a.rounds = a.rounds or (2 if q else 4)
     a.deltas = a.deltas or (5000 if q else 20000)
+    a.fanout_deltas = a.fanout_deltas or (100 if q else 200)
     a.repeats = a.repeats or (3 if q else 5)
     a.rss_deltas = a.rss_deltas or (50 if q else 100)
     if q:
@@ -1263,7 +1307,7 @@ def main(argv: list[str] | None = None) -> int:
         async def run() -> None:
             bench.results["translation_check"] = await bench.check_translation()
             steps = {"ttfb": "ttfb_single", "grammar": "grammar", "concurrent": "ttfb_concurrent",
-                     "throughput": "throughput", "rss": "rss"}
+                     "fanout": "fanout", "throughput": "throughput", "rss": "rss"}
             for name in phases:
                 t0 = time.perf_counter()
                 print(f"[bench] {name} ...", file=sys.stderr, flush=True)
