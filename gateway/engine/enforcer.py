@@ -39,6 +39,7 @@ from gateway.enforce.constrain import ContentAsCall, args_request, pick_request
 from gateway.enforce.onerequest import GrammarRoutes
 from gateway.enforce.plan import Plan, Violation, violation_response
 from gateway.enforce.validate import check_arguments, check_call, check_input, check_pinned_output
+from gateway.engine.grammar_routes import one_request_input_ok
 from gateway.errors import StreamFailure
 from gateway.protocol.events import ClientEvent, UpstreamEvent, with_failed_terminal
 from gateway.runtime import clock, new_id
@@ -308,18 +309,10 @@ class Guard:
         return final if message is None else violation_response(final, message)
 
     def _one_request_call(self, info: ToolInfo, item: dict[str, Any]) -> dict[str, Any]:
-        """A call the upstream request constrained: checked once; one that does not match (cut at the token limit)
-        is ``incomplete``, never regenerated (that would be the second request this route exists to avoid)."""
+        """A call the upstream request constrained: checked once (gateway.engine.grammar_routes), never regenerated."""
         self.checked.add(str(item.get("id")))
-        verdict = check_input(info, str(item.get("input", "")))
-        if verdict.unchecked:
-            self.enforcer.note("check", "unchecked", tool=info.upstream_name, reason=verdict.unchecked)
+        if one_request_input_ok(info, str(item.get("input", "")), self.enforcer.note):
             return item
-        if verdict.ok:
-            self.enforcer.note("check", "constrained", tool=info.upstream_name)
-            return item
-        self.enforcer.note("check", "violated", tool=info.upstream_name,
-                           reason=f"the call ended before its input matched the grammar ({verdict.reason})")
         return {**item, "status": "incomplete"}
 
     def _verdict(self, final: dict[str, Any]) -> str | None:

@@ -158,13 +158,22 @@ def _checked_done(ev: UpstreamEvent, ctx: ResolvedToolContext, names: frozenset[
     if info is None:
         return None
     checked.add(custom_call_item_id(item.get("id"), item.get("call_id")))
-    verdict = check_input(info, final_input(str(item.get("arguments") or "")))
+    if one_request_input_ok(info, final_input(str(item.get("arguments") or "")), note):
+        return None
+    return UpstreamEvent.built({**d, "item": {**item, "status": "incomplete"}})
+
+
+def one_request_input_ok(info: ToolInfo, value: str, note: Note) -> bool:
+    """The one check of a call its upstream request constrained (streamed or not), counted: False when the input
+    does not match its grammar — the call was cut (``max_output_tokens``) and is closed ``incomplete``, never
+    regenerated (that would be the second request the route exists to avoid). Unchecked grammars pass."""
+    verdict = check_input(info, value)
     if verdict.unchecked:
         note("check", "unchecked", tool=info.upstream_name, reason=verdict.unchecked)
-        return None
+        return True
     if verdict.ok:
         note("check", "constrained", tool=info.upstream_name)
-        return None
+        return True
     note("check", "violated", tool=info.upstream_name,
          reason=f"the call ended before its input matched the grammar ({verdict.reason}); closed incomplete")
-    return UpstreamEvent.built({**d, "item": {**item, "status": "incomplete"}})
+    return False

@@ -362,23 +362,31 @@ class UpstreamClient:
         finally:
             await up.aclose()
 
+    async def _small_json(self, path: str, headers: Mapping[str, str], max_bytes: int, timeout: float | None = None
+                          ) -> tuple[int, Any]:
+        """``GET path``: ``(status, parsed JSON)``, None for a body that is not JSON or is larger than ``max_bytes``
+        (read no further). httpx errors propagate: each caller maps them its own way."""
+        kwargs: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
+        async with self.http.stream("GET", path, headers=headers, **kwargs) as up:
+            body = bytearray()
+            async for chunk in up.aiter_bytes():
+                body += chunk
+                if len(body) > max_bytes:
+                    return up.status_code, None
+            status = up.status_code
+        try:
+            return status, orjson.loads(bytes(body))
+        except orjson.JSONDecodeError:
+            return status, None
+
     async def get_json(self, path: str, client_headers: Mapping[str, str], max_bytes: int = 1 << 20
                        ) -> tuple[int, Any]:
-        """A GET of a small JSON document (``/v1/models``): ``(status, parsed JSON)``, None for a body that is not
-        JSON or is larger than ``max_bytes``."""
+        """A GET of a small JSON document (``/v1/models``) with the client's or the upstream key: ``(status, parsed
+        JSON)``, None for a body that is not JSON or is larger than ``max_bytes``."""
         try:
-            async with self.http.stream("GET", path, headers=self.auth_headers(client_headers)) as up:
-                body = bytearray()
-                async for chunk in up.aiter_bytes():
-                    body += chunk
-                    if len(body) > max_bytes:
-                        return up.status_code, None
+            return await self._small_json(path, self.auth_headers(client_headers), max_bytes)
         except httpx.HTTPError as exc:
             raise map_transport_error(exc) from exc
-        try:
-            return up.status_code, orjson.loads(bytes(body))
-        except orjson.JSONDecodeError:
-            return up.status_code, None
 
     async def health_status(self, timeout: float) -> int | str:
         """vLLM's ``GET /health`` (with the upstream key): its status, or why there is none (a sentence)."""
@@ -396,21 +404,11 @@ class UpstreamClient:
         body is not JSON or larger than ``max_bytes``), or why there is none (a sentence)."""
         try:
             async with asyncio.timeout(timeout):
-                async with self.http.stream("GET", path, headers=self.auth_headers({}), timeout=timeout) as up:
-                    body = bytearray()
-                    async for chunk in up.aiter_bytes():
-                        body += chunk
-                        if len(body) > max_bytes:
-                            return up.status_code, None
-                    status = up.status_code
+                return await self._small_json(path, self.auth_headers({}), max_bytes, timeout)
         except (TimeoutError, httpx.TimeoutException):
             return f"upstream {path} did not answer within {timeout:g} s"
         except httpx.HTTPError as exc:
             return f"upstream unreachable ({type(exc).__name__})"
-        try:
-            return status, orjson.loads(body)
-        except orjson.JSONDecodeError:
-            return status, None
 
     async def fetch_metrics(self, timeout: float, max_bytes: int) -> tuple[int, bytes, str] | GatewayError:
         """vLLM's ``GET /metrics`` (with the upstream key): status, body, content type — or the error it maps to."""
