@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import queue
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
@@ -509,3 +510,65 @@ def test_an_upstream_refusing_the_constraint_gets_the_request_without_it(stream:
     assert value(metrics, "responses_gateway_grammar_enforcement_total", route="takeover") == 1
     assert value(metrics, "responses_gateway_grammar_enforcement_total", route="strict_pattern") == 0
     assert [e["status"] for e in logs if e["event"] == "grammar_constraint_refused"] == [400]
+
+
+# --- live delivery: each delta reaches the client before the upstream writes the next ---------------------------
+
+
+class LockstepVllm(FakeVllm):
+    """A fake vLLM 0.32 that writes each argument delta of the grammar call only after the client has received the
+    previous one (the test hands it a token per delta the client saw). A gateway that held a delta back — to check
+    the call first, or to batch frames — never lets the client see it, the upstream waits for a token that never
+    comes, and the test fails. It records when it wrote each delta, the client when it read each one."""
+
+    PIECES: tuple[str, ...] = ('{"input": "*** Begin', " Patch\\n", "+hel",
+                                "lo\\n", "+wor", "ld\\n", "*** End", " Patch", '"}')
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate: queue.Queue[None] = queue.Queue()
+        self.written: list[float] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path != "/v1/responses":
+            return super().__call__(request)
+        self.requests.append((request.method, request.url.path, orjson.loads(request.content)))
+        stream = VllmStream().start()
+        stream.call("fc_00000000000000a1", "chatcmpl-tool-00000000000000a1", "apply_patch", list(self.PIECES))
+        frames = [f.encode() for f in stream.complete().frames]
+
+        async def body() -> AsyncIterator[bytes]:
+            deltas = 0
+            for frame in frames:
+                if b"response.function_call_arguments.delta" in frame and deltas < len(self.PIECES) - 1:
+                    # every delta but the closing '"}' (which carries no input) waits for the client's token
+                    await asyncio.to_thread(self.gate.get, True, 10)
+                    self.written.append(time.perf_counter())
+                    deltas += 1
+                yield frame
+
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body())
+
+
+@pytest.mark.usefixtures("stub_conversion")
+@pytest.mark.parametrize("parser", ["auto", "hermes"])
+def test_every_input_delta_reaches_the_client_before_the_upstream_writes_the_next(parser: str) -> None:
+    fake = LockstepVllm()
+    received: list[float] = []
+    text = ""
+    with gateway(fake, tool_call_parser=parser) as url, \
+            httpx.stream("POST", url + "/v1/responses", json=request(), timeout=30) as r:
+        fake.gate.put(None)  # the first delta may go
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            event = orjson.loads(line[6:])
+            if event["type"] == "response.custom_tool_call_input.delta":
+                received.append(time.perf_counter())
+                text += event["delta"]
+                fake.gate.put(None)  # seen: the upstream may write the next one
+    n = len(LockstepVllm.PIECES) - 1
+    assert text == json.loads("".join(LockstepVllm.PIECES))["input"] and len(received) == n and len(fake.written) == n
+    # delta k arrived before the upstream wrote delta k+1: nothing was held or batched on the way
+    assert all(received[k] < fake.written[k + 1] for k in range(n - 1))
+    assert [p[1] for p in fake.generation_requests] == ["/v1/responses"]
