@@ -117,3 +117,29 @@ def test_second_turn_carries_the_call_and_its_output(tool: str, mode: str, tmp_p
             stored_call = next(i for i in conv_items if i["type"] == CALL_TYPE[tool])
             assert stored_call["id"] == call["id"] and stored_call.get("operation", stored_call.get("action")) == \
                 call.get("operation", call.get("action"))
+
+
+@pytest.mark.parametrize("tool", ["apply_patch", "shell"])
+def test_another_key_cannot_reach_a_built_in_call(tool: str, tmp_path: Path) -> None:
+    """A stored apply_patch/shell call belongs to the key that made it: another key can neither chain onto its
+    response nor reference the call's item id (what would put one tenant's patch or command in another's
+    prompt)."""
+    upstream = Upstream(answer_for(tool))
+    keys = ("sk-tenant-a-0123456789", "sk-tenant-b-9876543210")
+    with running_gateway(transport=upstream.transport, store=SqliteResponseStore(tmp_path / "r.db"),
+                         api_keys=keys) as url:
+        a, b = ({"authorization": f"Bearer {k}"} for k in keys)
+        first = httpx.post(url + "/v1/responses", json={"model": "tiny", "tools": TOOLS, "input": "go"}, headers=a,
+                           timeout=30).json()
+        [call] = first["output"]
+        sent = len(upstream.requests)
+        chained = httpx.post(url + "/v1/responses", headers=b, timeout=30, json={
+            "model": "tiny", "tools": TOOLS, "previous_response_id": first["id"],
+            "input": [output_item(tool, call["call_id"])]})
+        referenced = httpx.post(url + "/v1/responses", headers=b, timeout=30, json={
+            "model": "tiny", "tools": TOOLS, "input": [{"type": "item_reference", "id": call["id"]}]})
+        listed = httpx.get(url + f"/v1/responses/{first['id']}/input_items", headers=b, timeout=30)
+    assert chained.status_code == 404, chained.text
+    assert referenced.status_code in (400, 404), referenced.text
+    assert listed.status_code == 404
+    assert len(upstream.requests) == sent  # nothing of A's reached the upstream for B
