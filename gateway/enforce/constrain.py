@@ -170,11 +170,12 @@ class InputContinuation:
     Used when the upstream opened a grammar custom call under ``tool_choice: auto`` and the gateway took
     over its input (``gateway.engine.takeover``): the client has seen the call's ``output_item.added`` under
     the upstream's item id and output index; the step's ``delta.content`` pieces continue that same item as
-    ``function_call_arguments.delta`` events (the content JSON-escaped inside ``{"input": "…"}``, which the
-    translator decodes into ``custom_tool_call_input.delta``), the step's finish closes it, and the end of
-    the step's stream is the response's terminal event (the original upstream stream was closed, so
-    nothing follows the call). ``base`` is the upstream's last response snapshot; ``base_usage`` the usage
-    of earlier steps.
+    ``custom_tool_call_input.delta`` events carrying the text as the model wrote it (the event a Responses
+    upstream that runs custom tools itself would send: never JSON-escaped here only for the translator to
+    decode it again), the step's finish closes it (``function_call_arguments.done`` with the whole
+    ``{"input": "…"}``, then ``output_item.done``), and the end of the step's stream is the response's terminal
+    event (the original upstream stream was closed, so nothing follows the call). ``base`` is the upstream's
+    last response snapshot; ``base_usage`` the usage of earlier steps.
     """
 
     def __init__(self, added: Mapping[str, Any], base: Mapping[str, Any] | None,
@@ -189,7 +190,6 @@ class InputContinuation:
         self.finish_reason: str | None = None
         self.finished = False
         self._closed = False
-        self._args: list[str] = ['{"input": "']
 
     @property
     def text(self) -> str:
@@ -202,14 +202,12 @@ class InputContinuation:
         return UpstreamEvent(etype, "", payload)
 
     def _delta(self, piece: str) -> UpstreamEvent:
-        self._args.append(piece)
-        return self._ev("response.function_call_arguments.delta", {
+        return self._ev("response.custom_tool_call_input.delta", {
             "delta": piece, "item_id": self.item.get("id"), "output_index": self.output_index})
 
     def start(self) -> list[UpstreamEvent]:
-        """The argument prefix: no input yet, so the client sees nothing from it."""
-        return [self._ev("response.function_call_arguments.delta", {
-            "delta": self._args[0], "item_id": self.item.get("id"), "output_index": self.output_index})]
+        """Nothing yet: the call's input begins with the step's first content."""
+        return []
 
     def feed(self, chunk: Mapping[str, Any]) -> list[UpstreamEvent]:
         if self.finished:
@@ -231,7 +229,7 @@ class InputContinuation:
             content = delta.get("content")
             if isinstance(content, str) and content and not self._closed:
                 self.content.append(content)
-                out.append(self._delta(orjson.dumps(content).decode()[1:-1]))
+                out.append(self._delta(content))
             if choice.get("finish_reason") and not self._closed:
                 self.finish_reason = str(choice["finish_reason"])
                 out += self._close()
@@ -239,12 +237,11 @@ class InputContinuation:
 
     def _close(self) -> list[UpstreamEvent]:
         self._closed = True
-        out = [self._delta('"}')]
-        args = "".join(self._args)
+        args = '{"input": ' + orjson.dumps(self.text).decode() + "}"
         self.item.update(arguments=args, status="completed")
-        out.append(self._ev("response.function_call_arguments.done", {
+        out = [self._ev("response.function_call_arguments.done", {
             "arguments": args, "item_id": self.item.get("id"), "name": self.item.get("name"),
-            "output_index": self.output_index}))
+            "output_index": self.output_index})]
         out.append(self._ev("response.output_item.done", {"item": dict(self.item), "output_index": self.output_index}))
         return out
 

@@ -7,7 +7,8 @@ namespace tools into functions. For each upstream item the translator decides, o
 sees (``_Item.kind``):
 
 * ``custom``     the call is shown as a ``custom_tool_call``: ``custom_tool_call_input.delta`` events carry
-                 the decoded ``input`` string as it arrives, ``.done`` carries the whole of it;
+                 the decoded ``input`` string as it arrives, ``.done`` carries the whole of it (an upstream
+                 ``custom_tool_call_input.delta`` for the item, a takeover step's text, is the input as is);
 * ``function``   a function call, passed through (namespace members get their public name back);
 * ``pass``       messages, reasoning and anything unknown, passed through;
 * ``patch``      an ``apply_patch`` call, shown as an ``apply_patch_call``: announced once its operation's type and
@@ -777,6 +778,8 @@ class FunctionSseTranslator:
         if kind == "custom":  # first: the hottest kind (every input delta of a custom call)
             if etype == "response.function_call_arguments.delta":
                 return self._custom_delta(st, str(d.get("delta", "")))
+            if etype == "response.custom_tool_call_input.delta":  # the input itself (a takeover step's content)
+                return self._custom_input(st, str(d.get("delta", "")))
             if etype == "response.function_call_arguments.done":
                 return self._custom_done(st, str(d.get("arguments", "")))
             return []  # nothing else belongs to a custom call
@@ -818,7 +821,9 @@ class FunctionSseTranslator:
 
     def _custom_delta(self, st: _Item, delta: str) -> list[ClientEvent]:
         assert st.decoder is not None
-        piece = st.decoder.feed(delta)
+        return self._custom_input(st, st.decoder.feed(delta))
+
+    def _custom_input(self, st: _Item, piece: str) -> list[ClientEvent]:
         if not piece:
             return []
         st.emitted.append(piece)
