@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -118,9 +118,24 @@ class GrammarTakeover:
                         await step.aclose()
                         raise
                     self.taken_over = True
-                    async with contextlib.aclosing(self._continue(step, *found)) as continued:
-                        async for out in continued:
-                            yield out
+                    # The step's batches are yielded from here, not through another generator: every frame of
+                    # the rest of the call passes this loop, and each generator layer costs each frame.
+                    snapshot, _ = self.so_far()
+                    cont = InputContinuation(found[0], snapshot, self.enforcer.usage)
+                    started = time.perf_counter()
+                    checked = False
+                    try:
+                        async with contextlib.aclosing(chat_event_batches(step, cont)) as continued:
+                            async for out in continued:
+                                if cont.finish_reason is not None and not checked:
+                                    checked = True  # before the call's done event reaches the client (and the metric)
+                                    self._check(cont, found[1], started)
+                                yield out
+                    finally:
+                        if cont.finished:
+                            await step.release()  # read to its end: the connection goes back to the pool
+                        else:
+                            await step.aclose()
                     return
                 yield events
         finally:
@@ -142,34 +157,6 @@ class GrammarTakeover:
             self.enforcer.note("input", "step_failed", tool=info.upstream_name, reason=type(exc).__name__,
                                started=started)
             return None
-
-    async def _continue(self, step: UpstreamResponse, added: dict[str, Any], info: ToolInfo
-                        ) -> AsyncGenerator[list[UpstreamEvent], None]:
-        snapshot, _ = self.so_far()
-        cont = InputContinuation(added, snapshot, self.enforcer.usage)
-        started = time.perf_counter()
-        checked = False
-        try:
-            out: list[UpstreamEvent] = cont.start()
-            async with contextlib.aclosing(chat_event_batches(step, cont)) as batches:
-                async for events in batches:
-                    out += events
-                    if cont.finish_reason is not None and not checked:
-                        checked = True  # before the call's done event reaches the client (and the metric)
-                        self._check(cont, info, started)
-                    yield out
-                    out = []
-            if cont.finish_reason is not None and not checked:
-                checked = True
-                self._check(cont, info, started)
-            out += cont.done()
-            if out:
-                yield out
-        finally:
-            if cont.finished:
-                await step.release()  # read to its end: the connection goes back to the pool
-            else:
-                await step.aclose()
 
     def _check(self, cont: InputContinuation, info: ToolInfo, started: float) -> None:
         item = cont.item
