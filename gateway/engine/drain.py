@@ -60,32 +60,50 @@ class Drain:
         """``chunks`` (upstream bytes or event batches), but raising ``ShuttingDown`` once ``abort()`` ran,
         even while an upstream read is pending (a model thinking for minutes must not hold the shutdown).
 
-        ``abort()`` cancels the task while it waits in a read; the read's ``CancelledError`` is turned into
-        ``ShuttingDown`` only when that cancellation is ours (``uncancel()`` leaves none pending). This costs
-        a set insertion per read, where a cancel scope per read cost a measurable share of the frame path.
+        The response pump does the same inline (``enter``/``leave``/``ours`` around its own read): a generator
+        layer there would cost every frame.
         """
         iterator = chunks.__aiter__()
         task = asyncio.current_task()
         assert task is not None
         while True:
-            if self.aborted:
-                self._aborted_one()
-                raise ShuttingDown
-            self._reads.add(task)
+            self.enter(task)
             try:
                 chunk = await iterator.__anext__()
             except StopAsyncIteration:
                 return
             except asyncio.CancelledError:
-                if task in self._cancelled:
-                    self._cancelled.discard(task)
-                    if task.uncancel() == 0:
-                        self._aborted_one()
-                        raise ShuttingDown from None
+                if self.ours(task):
+                    raise ShuttingDown from None
                 raise
             finally:
-                self._reads.discard(task)
+                self.leave(task)
             yield chunk
+
+    def enter(self, task: asyncio.Task[Any]) -> None:
+        """Before a read: ``ShuttingDown`` if the drain is over, else the task may be cancelled by ``abort()``.
+
+        ``abort()`` cancels the task while it waits in a read; the read's ``CancelledError`` is turned into
+        ``ShuttingDown`` only when that cancellation is ours (``ours``). This costs a set insertion per read,
+        where a cancel scope per read cost a measurable share of the frame path."""
+        if self.aborted:
+            self._aborted_one()
+            raise ShuttingDown
+        self._reads.add(task)
+
+    def leave(self, task: asyncio.Task[Any]) -> None:
+        self._reads.discard(task)
+
+    def ours(self, task: asyncio.Task[Any]) -> bool:
+        """A read was cancelled: whether by ``abort()`` (and no other cancellation is pending), so the stream
+        ends with ``ShuttingDown`` rather than being torn down."""
+        if task not in self._cancelled:
+            return False
+        self._cancelled.discard(task)
+        if task.uncancel() == 0:
+            self._aborted_one()
+            return True
+        return False
 
     def _aborted_one(self) -> None:
         for callback in self.on_abort:

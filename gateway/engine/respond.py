@@ -4,6 +4,7 @@ and pump the answer back as client events. Transport-independent — no starlett
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -19,7 +20,7 @@ from gateway.enforce.plan import Plan, Violation, plan_for, violation_response
 from gateway.engine.background import BackgroundRuns, RunIdentity
 from gateway.engine.compaction import Compactor, Pending, UpstreamRefused, compact_endpoint
 from gateway.engine.context import ContextMeter, Fitted
-from gateway.engine.drain import Drain
+from gateway.engine.drain import Drain, ShuttingDown
 from gateway.engine.enforcer import Enforcer, Guard, StepError
 from gateway.engine.grammar_routes import UpstreamGrammarSupport, mark_cut_calls, routes_for
 from gateway.engine.history import (
@@ -628,11 +629,29 @@ class ResponsesHandler:
         does, so a pinned violation becomes ``response.failed``.
         """
         feed = translator.feed
-        source = self.drain.guard(batches) if self.drain is not None else batches
+        drain = self.drain
+        task = asyncio.current_task()
+        assert task is not None
+        read = batches.__anext__
         try:
             out: list[ClientEvent] = []
             try:
-                async for events in source:
+                while True:
+                    # The drain's guard inline (Drain.guard as a generator would be one more layer per frame).
+                    if drain is not None:
+                        drain.enter(task)
+                    try:
+                        events = await read()
+                    except StopAsyncIteration:
+                        out += translator.finish()
+                        break
+                    except asyncio.CancelledError:
+                        if drain is not None and drain.ours(task):
+                            raise ShuttingDown from None
+                        raise
+                    finally:
+                        if drain is not None:
+                            drain.leave(task)
                     for ev in events:
                         out += feed(ev)
                         if translator.finished or translator.round_done:
@@ -644,8 +663,6 @@ class ResponsesHandler:
                             record.ttfb = time.perf_counter() - record.started
                         yield out
                         out = []
-                else:
-                    out += translator.finish()
             except StreamFailure as exc:  # the drain, a broken or idle upstream, a takeover step's HTTP error
                 if exc.upstream_error == "stream_broken":
                     self.upstream.generation += 1  # it may come back as another server (gateway.engine.grammar_routes)
@@ -678,10 +695,9 @@ class ResponsesHandler:
                           mismatches=stats.input_mismatches)
             # Closed here, in order, rather than left to the garbage collector: an async generator abandoned
             # at a break is finalized later by a task the event loop creates for it, once per response.
-            for gen in ((source, batches) if source is not batches else (batches,)):
-                aclose = getattr(gen, "aclose", None)
-                if aclose is not None:
-                    await aclose()
+            aclose = getattr(batches, "aclose", None)
+            if aclose is not None:
+                await aclose()
             if translator.acc.terminal is not None and not stats.overflowed:
                 # The upstream's own terminal event ended the answer: read the rest of its body (bounded) so
                 # the connection goes back to the pool (release() drops it instead if the task is cancelled).

@@ -126,6 +126,16 @@ class _Tracked(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         record = self.record
+        inner = self.inner
+        if isinstance(inner, SseResponse):  # counts its own bytes: no wrapper around every frame's send
+            try:
+                await inner(scope, receive, send)
+            finally:
+                record.response_bytes += inner.sent_bytes
+                if record.ttfb is None and inner.first_body_at is not None:
+                    record.ttfb = inner.first_body_at - record.started
+                self.done()
+            return
 
         async def counting_send(message: Message) -> None:
             if message["type"] == "http.response.body":

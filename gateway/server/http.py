@@ -5,6 +5,7 @@ either way a client that leaves closes its upstream request at once."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
@@ -202,6 +203,8 @@ class SseResponse(Response):
                  headers: Mapping[str, str] | None = None,
                  on_disconnect: Callable[[], Awaitable[None] | None] | None = None) -> None:
         self.body_iterator = body
+        self.sent_bytes = 0  # body bytes handed to the server (the access log's response_bytes)
+        self.first_body_at: float | None = None  # perf_counter() of the first body bytes (its TTFB)
         self.status_code = status_code
         self.on_disconnect = on_disconnect
         self.background = None
@@ -234,7 +237,11 @@ class SseResponse(Response):
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             async for batch in self.body_iterator:
                 if batch:
-                    await send({"type": "http.response.body", "body": encode_events(batch), "more_body": True})
+                    data = encode_events(batch)
+                    if self.first_body_at is None:
+                        self.first_body_at = time.perf_counter()
+                    self.sent_bytes += len(data)
+                    await send({"type": "http.response.body", "body": data, "more_body": True})
             body_done = True
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:

@@ -157,7 +157,12 @@ class UpstreamResponse:
         """The (decoded) body as it arrives, one iterator per response: ``release`` goes on where the reader
         stopped."""
         if self._body is None:
-            self._body = self.response.aiter_bytes()
+            r = self.response
+            # Not encoded (vLLM never compresses): the raw stream is the body, without httpx's decoding layer (an
+            # identity decoder and a chunker, one more generator hop for every upstream read). A response read
+            # whole already (a test's mock) is consumed: aiter_bytes serves its content.
+            plain = r.headers.get("content-encoding", "identity").strip().lower() in ("", "identity")
+            self._body = r.aiter_raw() if plain and not r.is_stream_consumed else r.aiter_bytes()
         return self._body
 
     def stream_failure(self, exc: httpx.HTTPError) -> StreamFailure:
