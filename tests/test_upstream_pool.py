@@ -13,6 +13,7 @@ import contextlib
 import socket
 import threading
 import time
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -37,7 +38,8 @@ class _Conn:
 class LoopbackUpstream:
     """``POST /v1/responses``: the recorded text stream (``"stream": true``) or JSON answer.
 
-    ``mode``: ``"normal"``; ``"hang"`` (read the request, never answer: a model thinking); ``"linger"``
+    ``mode``: ``"normal"``; ``"gzip"`` (the stream compressed, ``Content-Encoding: gzip``); ``"hang"`` (read the
+    request, never answer: a model thinking); ``"linger"``
     (stream every frame, then neither end the body nor close: past ``release``'s time bound)."""
 
     mode: str = "normal"
@@ -79,10 +81,17 @@ class LoopbackUpstream:
                                  % (len(self.json), self.json))
                     await writer.drain()
                     continue
+                gzip = self.mode == "gzip"
                 writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
-                             b"transfer-encoding: chunked\r\n\r\n")
+                             + (b"content-encoding: gzip\r\n" if gzip else b"") + b"transfer-encoding: chunked\r\n\r\n")
+                packer = zlib.compressobj(wbits=31)
                 for frame in self.frames:
+                    if gzip:  # one compressed piece per frame, cut anywhere in the frames' text
+                        frame = packer.compress(frame) + packer.flush(zlib.Z_SYNC_FLUSH)
                     writer.write(b"%x\r\n%b\r\n" % (len(frame), frame))
+                if gzip:
+                    tail = packer.flush()
+                    writer.write(b"%x\r\n%b\r\n" % (len(tail), tail))
                 await writer.drain()
                 if self.mode == "linger":
                     await reader.read()
@@ -181,3 +190,18 @@ def test_release_is_bounded_when_the_body_does_not_end_after_the_terminal_event(
         r = httpx.post(url + "/v1/responses", json={"model": "tiny", "input": "hi", "stream": True}, timeout=10)
         assert sse_events(r.content)[-1]["type"] in TERMINAL
         assert upstream.closed_within(2.5, started), "release() did not give up on a body that never ended"
+
+
+def test_a_compressed_upstream_stream_is_decoded_and_the_plain_one_read_as_is() -> None:
+    """A plain body is read from the transport's stream directly (gateway.upstream.client.UpstreamResponse.aiter_bytes);
+    one with ``Content-Encoding: gzip`` still goes through httpx's decoder: the client gets the same events."""
+    events = {}
+    for mode in ("normal", "gzip"):
+        upstream = LoopbackUpstream(mode=mode)
+        with loopback_upstream(upstream) as up, running_gateway(_settings(up)) as url:
+            r = httpx.post(url + "/v1/responses", json={"model": "tiny", "input": "hi", "stream": True}, timeout=10)
+        events[mode] = sse_events(r.content)
+        assert events[mode][-1]["type"] in TERMINAL
+    assert [e["type"] for e in events["gzip"]] == [e["type"] for e in events["normal"]]
+    text = "".join(e["delta"] for e in events["normal"] if e["type"] == "response.output_text.delta")
+    assert text and text == "".join(e["delta"] for e in events["gzip"] if e["type"] == "response.output_text.delta")

@@ -158,11 +158,16 @@ class UpstreamResponse:
         stopped."""
         if self._body is None:
             r = self.response
-            # Not encoded (vLLM never compresses): the raw stream is the body, without httpx's decoding layer (an
-            # identity decoder and a chunker, one more generator hop for every upstream read). A response read
-            # whole already (a test's mock) is consumed: aiter_bytes serves its content.
+            # Not encoded (vLLM never compresses) and from our transport: the transport's stream is the body, read
+            # without httpx's two layers (aiter_bytes' identity decoder and aiter_raw's chunker and byte count: two
+            # more generator hops for every upstream read). ``aclose`` still closes the response. Anything else (an
+            # encoded body, a test's mock transport, a response read whole already) goes through aiter_bytes.
             plain = r.headers.get("content-encoding", "identity").strip().lower() in ("", "identity")
-            self._body = r.aiter_raw() if plain and not r.is_stream_consumed else r.aiter_bytes()
+            if plain and isinstance(r.stream, _Body) and not r.is_stream_consumed:
+                r.is_stream_consumed = True
+                self._body = r.stream.__aiter__()
+            else:
+                self._body = r.aiter_bytes()
         return self._body
 
     def stream_failure(self, exc: httpx.HTTPError) -> StreamFailure:
