@@ -183,6 +183,7 @@ class InputContinuation:
         item = dict(added.get("item") or {})
         self.output_index: int = int(added.get("output_index") or 0)
         self.item = item
+        self._item_id = item.get("id")
         self.base = dict(base or {})
         self.base_usage = base_usage
         self.usage: dict[str, Any] | None = None
@@ -202,8 +203,9 @@ class InputContinuation:
         return UpstreamEvent(etype, "", payload)
 
     def _delta(self, piece: str) -> UpstreamEvent:
-        return self._ev("response.custom_tool_call_input.delta", {
-            "delta": piece, "item_id": self.item.get("id"), "output_index": self.output_index})
+        etype = "response.custom_tool_call_input.delta"  # one literal: every content chunk makes one
+        return UpstreamEvent(etype, "", {"type": etype, "sequence_number": -1, "delta": piece,
+                                         "item_id": self._item_id, "output_index": self.output_index})
 
     def start(self) -> list[UpstreamEvent]:
         """Nothing yet: the call's input begins with the step's first content."""

@@ -51,7 +51,7 @@ async def responses_event_batches(up: UpstreamResponse) -> AsyncGenerator[list[U
 def chat_chunk_events(data: str, conv: ChunkConverter,
                       rewrite: ChunkRewrite | None = None) -> list[UpstreamEvent]:
     """One chat SSE ``data:`` text (a chunk or ``[DONE]``) through a chunk converter."""
-    if data.strip() == "[DONE]":
+    if data[:1] != "{" and data.strip() == "[DONE]":  # a chunk is an object: only the end is stripped and compared
         return conv.done()
     try:
         chunk = orjson.loads(data)
