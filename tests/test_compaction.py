@@ -637,3 +637,10 @@ def test_agents_sdk_context_management_threshold(gateway: tuple[str, Upstream], 
     sent = _sent_text(up.bodies[-1])
     assert SUMMARY in sent and "SECOND" in sent and "encrypted_content" not in sent
     assert len(up.summarizations()) == 1
+
+
+def test_an_item_orjson_cannot_write_still_renders_into_the_transcript() -> None:
+    """Found by the property above: an unknown item holding an integer past 64 bits (a row another writer stored)
+    made the transcript raise TypeError; it is written by the stdlib's JSON instead."""
+    text = render_transcript([{"type": "0", "x": -9223372036854775809}])
+    assert "-9223372036854775809" in text

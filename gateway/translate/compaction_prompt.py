@@ -12,6 +12,7 @@ text here, not a call the model could be asked to repeat).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -95,8 +96,15 @@ def item_text(item: Mapping[str, Any]) -> tuple[str, str] | None:
                  "mcp_approval_response"):
         return None
     if isinstance(itype, str):  # anything else the gateway passes on: its JSON, without ids
-        return itype, orjson.dumps({k: v for k, v in item.items() if k not in ("id", "type")}).decode()
+        return itype, _json({k: v for k, v in item.items() if k not in ("id", "type")})
     return None
+
+
+def _json(value: Any) -> str:
+    try:
+        return orjson.dumps(value).decode()
+    except TypeError:  # what orjson cannot write (an integer past 64 bits, from a store's rows): the stdlib's JSON
+        return json.dumps(value, default=str, ensure_ascii=False)
 
 
 def _clip(text: str) -> str:
