@@ -139,7 +139,7 @@ def main() -> int:
                 feed(ev, data)
         cont = InputContinuation(added, None, None)
         step = SseParser()
-        for ev in cont.start() or ():  # an older checkout opens the arguments with a prefix event
+        for ev in cont.start() if hasattr(cont, "start") else ():  # an older checkout opens with a prefix event
             tr.feed(ev) if hasattr(ev, "event") else tr.feed(*ev)
         sent: list[bytes] = []
         for c in chat:

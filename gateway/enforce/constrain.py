@@ -207,10 +207,6 @@ class InputContinuation:
         return UpstreamEvent(etype, "", {"type": etype, "sequence_number": -1, "delta": piece,
                                          "item_id": self._item_id, "output_index": self.output_index})
 
-    def start(self) -> list[UpstreamEvent]:
-        """Nothing yet: the call's input begins with the step's first content."""
-        return []
-
     def feed(self, chunk: Mapping[str, Any]) -> list[UpstreamEvent]:
         if self.finished:
             return []

@@ -777,7 +777,8 @@ class FunctionSseTranslator:
         kind = st.kind
         if kind == "custom":  # first: the hottest kind (every input delta of a custom call)
             if etype == "response.function_call_arguments.delta":
-                return self._custom_delta(st, str(d.get("delta", "")))
+                assert st.decoder is not None
+                return self._custom_input(st, st.decoder.feed(str(d.get("delta", ""))))
             if etype == "response.custom_tool_call_input.delta":  # the input itself (a takeover step's content)
                 return self._custom_input(st, str(d.get("delta", "")))
             if etype == "response.function_call_arguments.done":
@@ -819,11 +820,8 @@ class FunctionSseTranslator:
             return [self._emit(etype, d)]
         return self._forward(etype, d, data, st.client_index)
 
-    def _custom_delta(self, st: _Item, delta: str) -> list[ClientEvent]:
-        assert st.decoder is not None
-        return self._custom_input(st, st.decoder.feed(delta))
-
     def _custom_input(self, st: _Item, piece: str) -> list[ClientEvent]:
+        """Decoded input text (from the arguments' decoder, or as an upstream sent it) -> its client delta."""
         if not piece:
             return []
         st.emitted.append(piece)

@@ -18,7 +18,7 @@ from gateway.protocol.sse import SseParser
 from gateway.translate.chat import ChatToResponsesEvents, completion_to_chunks
 from gateway.upstream.client import UpstreamResponse
 
-__all__ = ["ChatEvents", "chat_chunk_events", "chat_completion_events", "chat_event_batches", "responses_event_batches"]
+__all__ = ["chat_chunk_events", "chat_completion_events", "chat_event_batches", "responses_event_batches"]
 
 ChunkRewrite = Callable[[Mapping[str, Any]], Mapping[str, Any]]
 
@@ -64,44 +64,24 @@ def chat_chunk_events(data: str, conv: ChunkConverter,
     return conv.feed(rewrite(chunk) if rewrite is not None and "error" not in chunk else chunk)
 
 
-class ChatEvents:
-    """Chat SSE bytes (``data:`` lines, ``[DONE]`` at the end) -> Responses events through a chunk converter, a
-    read at a time. Sans-I/O: the reader (``chat_event_batches``, a takeover's continuation) owns the reads."""
-
-    __slots__ = ("_parser", "conv", "rewrite")
-
-    def __init__(self, conv: ChunkConverter, rewrite: ChunkRewrite | None = None) -> None:
-        self._parser = SseParser()
-        self.conv = conv
-        self.rewrite = rewrite
-
-    def feed(self, raw: bytes) -> list[UpstreamEvent]:
-        out: list[UpstreamEvent] = []
-        for _event, data in self._parser.feed(raw):
-            out += chat_chunk_events(data, self.conv, self.rewrite)
-        return out
-
-    def close(self) -> list[UpstreamEvent]:
-        """The body ended: a last frame without its blank line, then the converter's end (no ``[DONE]``: it still
-        ends if a finish_reason came; otherwise the translator fails the response)."""
-        out: list[UpstreamEvent] = []
-        for _event, data in self._parser.close():
-            out += chat_chunk_events(data, self.conv, self.rewrite)
-        return out + self.conv.done()
-
-
 async def chat_event_batches(up: UpstreamResponse, conv: ChunkConverter,
                              rewrite: ChunkRewrite | None = None) -> AsyncGenerator[list[UpstreamEvent], None]:
-    """Chat SSE -> Responses event batches, one per read; a transport error mid-stream raises ``StreamFailure``."""
-    decoder = ChatEvents(conv, rewrite)
+    """Chat SSE (``data:`` lines only, ``[DONE]`` at the end) -> Responses event batches, one per read; a transport
+    error mid-stream raises ``StreamFailure``."""
+    parser = SseParser()
     try:
         async for raw in up.aiter_bytes():
-            out = decoder.feed(raw)
+            out: list[UpstreamEvent] = []
+            for _event, data in parser.feed(raw):
+                out += chat_chunk_events(data, conv, rewrite)
             if out:
                 yield out
     except httpx.HTTPError as exc:
         raise up.stream_failure(exc) from None
-    out = decoder.close()
+    out = []
+    for _event, data in parser.close():
+        out += chat_chunk_events(data, conv, rewrite)
+    out += conv.done()  # no [DONE]: still ends if a finish_reason came; otherwise the translator fails it
     if out:
         yield out
 
